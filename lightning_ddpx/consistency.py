@@ -1,0 +1,96 @@
+"""Make every rank start from the same model: verify the parameter layout, then copy rank 0's values.
+
+Both steps run once at construction. The check comes first and is cheap (one small all-gather of a
+digest); only when digests differ do ranks exchange full descriptions, so the error can name the first
+parameter that differs and what each rank holds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import defaultdict
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ParameterSignature", "verify_same_parameters", "broadcast_from_rank0"]
+
+ParameterSignature = tuple[str, tuple[int, ...], str, bool]  # name, shape, dtype, requires_grad
+
+
+def _signatures(named_parameters: Sequence[tuple[str, torch.nn.Parameter]]) -> list[ParameterSignature]:
+    return [(name, tuple(p.shape), str(p.dtype), bool(p.requires_grad)) for name, p in named_parameters]
+
+
+def _digest(signatures: list[ParameterSignature]) -> int:
+    raw = hashlib.sha256(repr(signatures).encode()).digest()[:8]
+    return struct.unpack("<q", raw)[0]
+
+
+def verify_same_parameters(
+    named_parameters: Sequence[tuple[str, torch.nn.Parameter]],
+    process_group: dist.ProcessGroup,
+    device: torch.device,
+) -> None:
+    """Raise ``ValueError`` on every rank if ranks hold different parameters.
+
+    Compares count, names, shapes, dtypes and ``requires_grad``; the message names the first parameter
+    that differs and the value on each rank.
+    """
+    signatures = _signatures(named_parameters)
+    world_size = dist.get_world_size(process_group)
+    mine = torch.tensor([_digest(signatures)], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(gathered, mine, group=process_group)
+    if all(int(d) == int(gathered[0]) for d in gathered):
+        return
+    everyone: list[list[ParameterSignature] | None] = [None] * world_size
+    dist.all_gather_object(everyone, signatures, group=process_group)
+    raise ValueError(describe_first_difference(everyone))  # type: ignore[arg-type]
+
+
+def describe_first_difference(per_rank: list[list[ParameterSignature]]) -> str:
+    """A message naming the first parameter whose description differs between ranks (pure, testable)."""
+    header = "lightning_ddpx.DistributedDataParallel: ranks hold different models, so training would diverge or hang. "
+    counts = [len(s) for s in per_rank]
+    for position in range(max(counts)):
+        entries = [s[position] if position < len(s) else None for s in per_rank]
+        if all(e == entries[0] for e in entries):
+            continue
+        reference = next(e for e in entries if e is not None)
+        name = reference[0]
+        for field, label in ((0, "name"), (1, "shape"), (2, "dtype"), (3, "requires_grad")):
+            values = [None if e is None else e[field] for e in entries]
+            if any(v != values[0] for v in values):
+                detail = ", ".join(
+                    f"rank {rank}: {'missing' if e is None else repr(v)}" for rank, (e, v) in enumerate(zip(entries, values))
+                )
+                return (
+                    header
+                    + f"First difference at parameter #{position} ({name!r}), {label}: {detail}. "
+                    + f"Parameter counts per rank: {counts}. Build the same model on every rank "
+                    + "(same constructor arguments, same requires_grad flags) before wrapping it."
+                )
+    return header + f"Parameter counts per rank differ: {counts}."
+
+
+@torch.no_grad()
+def broadcast_from_rank0(tensors: Sequence[torch.Tensor], process_group: dist.ProcessGroup) -> None:
+    """Overwrite ``tensors`` on every rank with rank 0's values: one collective per dtype, not per tensor."""
+    by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
+    for tensor in tensors:
+        if tensor.numel():
+            by_dtype[(tensor.dtype, tensor.device)].append(tensor)
+    for group in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        dist.broadcast(flat, group=process_group, group_src=0)
+        torch._foreach_copy_([t.detach() for t in group], list(_split_like(flat, group)))
+
+
+def _split_like(flat: torch.Tensor, like: Sequence[torch.Tensor]):
+    offset = 0
+    for tensor in like:
+        yield flat[offset : offset + tensor.numel()].view_as(tensor)
+        offset += tensor.numel()

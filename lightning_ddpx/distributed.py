@@ -1,0 +1,202 @@
+"""``lightning_ddpx.DistributedDataParallel``: the ``nn.Module`` users wrap their model in.
+
+It keeps torch's argument names and defaults so switching is a one-line change, and does the
+construction-time work (validation, cross-rank model check, broadcast of rank 0's state) before any
+training: bad input fails on every rank at once, before work is lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_ddpx.bucketing import BucketInfo, megabytes_to_bytes
+from lightning_ddpx.consistency import broadcast_from_rank0, verify_same_parameters
+from lightning_ddpx.reducer import CommHook, Phase, Reducer
+
+__all__ = ["DistributedDataParallel"]
+
+
+class DistributedDataParallel(nn.Module):
+    """Data parallelism over ``torch.distributed`` with our own bucketed, hook-driven gradient reducer.
+
+    Args:
+        module: the model; the same architecture must be built on every rank.
+        process_group: the group to average over (default: the whole world).
+        bucket_cap_mb: cap of each gradient bucket in MiB; smaller buckets start communicating earlier,
+            larger ones make fewer, more efficient collectives.
+        first_bucket_cap_mb: cap of the first bucket launched, kept small so communication starts early.
+        find_unused_parameters: walk the autograd graph from forward's outputs each iteration and treat
+            parameters it cannot reach as having a zero gradient (needed when forward skips parameters).
+        broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to all ranks before forward.
+        gradient_as_bucket_view: make ``param.grad`` views into the bucket buffers, saving one copy of the
+            gradients in memory and a copy per parameter in each step.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float = 1.0,
+        find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
+        gradient_as_bucket_view: bool = False,
+    ) -> None:
+        super().__init__()
+        _validate_arguments(module, bucket_cap_mb, first_bucket_cap_mb)
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "lightning_ddpx.DistributedDataParallel needs an initialised default process group: call "
+                "torch.distributed.init_process_group(...) first (Lightning's DDPXStrategy does this for you)."
+            )
+        self.module = module
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.world_size = dist.get_world_size(self.process_group)
+        self.rank = dist.get_rank(self.process_group)
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.bucket_cap_mb = bucket_cap_mb
+        self.first_bucket_cap_mb = first_bucket_cap_mb
+        self.require_backward_grad_sync = True
+        self._sync_buffers_next_forward = True  # torch: only after a forward that synchronised
+
+        named = list(module.named_parameters())
+        self.device = _single_device(named)
+        verify_same_parameters(named, self.process_group, self.device)
+        broadcast_from_rank0([p.detach() for _, p in named] + list(module.buffers()), self.process_group)
+        trainable = [(name, p) for name, p in named if p.requires_grad]
+        if not trainable:
+            raise ValueError(
+                "lightning_ddpx.DistributedDataParallel: the module has no parameter with requires_grad=True, "
+                "so there is nothing to synchronise. Unfreeze at least one parameter or do not wrap it."
+            )
+        self.reducer = Reducer(
+            params=[p for _, p in trainable],
+            names=[name for name, _ in trainable],
+            process_group=self.process_group,
+            first_cap_bytes=megabytes_to_bytes(first_bucket_cap_mb),
+            cap_bytes=megabytes_to_bytes(bucket_cap_mb),
+            find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+        )
+        self._hook_registered = False
+
+    # ------------------------------------------------------------------------------------------ forward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        will_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        self.reducer.prepare_forward(will_sync)
+        if self.broadcast_buffers and self._sync_buffers_next_forward and self.world_size > 1:
+            self._broadcast_buffers()
+        output = self.module(*args, **kwargs)
+        self._sync_buffers_next_forward = will_sync
+        if will_sync:
+            self.reducer.prepare_backward(output)
+        else:
+            self.reducer.disarm()
+        return output
+
+    def _broadcast_buffers(self) -> None:
+        buffers = list(self.module.buffers())
+        if buffers:
+            with torch.profiler.record_function("lightning_ddpx::broadcast_buffers"):
+                broadcast_from_rank0(buffers, self.process_group)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip synchronisation for forward+backward passes inside; the next synchronised one averages all.
+
+        Wrap the forward too: whether a backward synchronises is decided when its forward runs.
+        """
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    # ------------------------------------------------------------------------------------- comm hooks
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Use ``hook(state, bucket) -> Future[Tensor]`` to reduce each bucket (torch's signature).
+
+        Call once, before the first backward. See :mod:`lightning_ddpx.grad_bucket` for how hooks are
+        launched and the ordering guarantee.
+        """
+        _validate_hook(hook)
+        if self._hook_registered:
+            raise RuntimeError(
+                f"lightning_ddpx: a communication hook ({_describe(self.reducer.hook)}) is already registered; "
+                "register_comm_hook can be called only once. Build a new DistributedDataParallel to change it."
+            )
+        if self.reducer.iterations_synced > 0 or self.reducer.phase is Phase.REDUCING:
+            raise RuntimeError(
+                "lightning_ddpx: register_comm_hook must be called before the first backward; "
+                f"{self.reducer.iterations_synced} synchronised iteration(s) already ran with the default hook."
+            )
+        self.reducer.register_comm_hook(state, hook)
+        self._hook_registered = True
+
+    @property
+    def comm_hook(self) -> CommHook | None:
+        return self.reducer.hook if self._hook_registered else None
+
+    @property
+    def comm_hook_state(self) -> Any:
+        return self.reducer.hook_state if self._hook_registered else None
+
+    # ---------------------------------------------------------------------------------- introspection
+    def bucket_plan(self) -> list[BucketInfo]:
+        """The current buckets in launch order: index, bytes, dtype, device and parameter names."""
+        return self.reducer.bucket_infos()
+
+
+def _validate_arguments(module: Any, bucket_cap_mb: float, first_bucket_cap_mb: float) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"lightning_ddpx.DistributedDataParallel wraps an nn.Module, got {type(module).__name__}")
+    for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise ValueError(
+                f"lightning_ddpx.DistributedDataParallel: {name} must be a positive number of MiB, got {value!r} "
+                f"(torch's default is 25 for bucket_cap_mb and 1 for first_bucket_cap_mb)."
+            )
+
+
+def _single_device(named: list[tuple[str, nn.Parameter]]) -> torch.device:
+    if not named:
+        raise ValueError("lightning_ddpx.DistributedDataParallel: the module has no parameters to synchronise.")
+    first_name, first = named[0]
+    for name, param in named:
+        if param.device != first.device:
+            raise ValueError(
+                "lightning_ddpx.DistributedDataParallel needs every parameter on one device, but "
+                f"{first_name!r} is on {first.device} and {name!r} is on {param.device}. "
+                "Move the whole module with module.to(device) before wrapping it."
+            )
+    return first.device
+
+
+def _validate_hook(hook: Callable) -> None:
+    import inspect
+
+    if not callable(hook):
+        raise TypeError(f"lightning_ddpx: a communication hook must be callable, got {type(hook).__name__}")
+    try:
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):
+        return  # builtins without a signature: trust them
+    try:
+        signature.bind(object(), object())
+    except TypeError:
+        raise TypeError(
+            f"lightning_ddpx: communication hook {_describe(hook)} has signature {signature}, but hooks are called "
+            "as hook(state, bucket) and must return a torch.futures.Future holding the reduced bucket tensor."
+        ) from None
+
+
+def _describe(hook: Callable) -> str:
+    return getattr(hook, "__qualname__", None) or repr(hook)

@@ -1,0 +1,97 @@
+"""The object a communication hook receives, and the contract on how hooks are launched.
+
+A hook has torch's signature ``hook(state, bucket) -> torch.futures.Future[Tensor]`` and the bucket
+offers torch's ``GradBucket`` methods, so the hooks in ``torch.distributed.algorithms.ddp_comm_hooks``
+run unchanged on our reducer.
+
+Launch contract (why hooks may block): every rank must issue collectives in one global order, or gloo
+aborts with a collective mismatch or the job hangs. A hook that chains collectives from future
+callbacks (torch's PowerSGD does) issues them on gloo's threads, racing the next bucket's collective.
+The reducer therefore runs hooks on one communication thread per module, strictly in bucket order,
+and waits for a hook's future before calling the next hook. Such a hook may also simply block (run its
+collectives synchronously) and return a completed future: it still overlaps the rest of backward.
+A hook that issues *every* collective before it returns can say so with
+:func:`collectives_issued_on_call`; the reducer then calls it inline on the autograd thread and does
+not wait between buckets, exactly like torch's C++ reducer.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence, TypeVar
+
+import torch
+
+__all__ = ["GradBucket", "collectives_issued_on_call", "issues_collectives_on_call"]
+
+_ON_CALL_ATTRIBUTE = "_lightning_ddpx_collectives_issued_on_call"
+
+HookT = TypeVar("HookT", bound=Callable)
+
+
+def collectives_issued_on_call(hook: HookT) -> HookT:
+    """Mark ``hook`` as issuing all of its collectives before it returns (none from callbacks).
+
+    Marked hooks are called inline on the autograd thread and several buckets may be in flight at
+    once. Only mark a hook that never starts a collective from a ``Future.then`` callback.
+    """
+    setattr(hook, _ON_CALL_ATTRIBUTE, True)
+    return hook
+
+
+def issues_collectives_on_call(hook: Callable) -> bool:
+    """Whether ``hook`` was marked with :func:`collectives_issued_on_call`."""
+    return bool(getattr(hook, _ON_CALL_ATTRIBUTE, False))
+
+
+class GradBucket:
+    """One bucket of flattened gradients, as handed to a communication hook.
+
+    ``buffer()`` is the flat 1-D tensor holding every gradient of the bucket; ``gradients()`` are views
+    into it shaped like the parameters, so a hook that writes into them writes into the buffer.
+    """
+
+    __slots__ = ("_index", "_buffer", "_gradients", "_parameters", "_is_last")
+
+    def __init__(
+        self,
+        index: int,
+        buffer: torch.Tensor,
+        gradients: Sequence[torch.Tensor],
+        parameters: Sequence[torch.nn.Parameter],
+        is_last: bool,
+    ) -> None:
+        self._index = index
+        self._buffer = buffer
+        self._gradients = list(gradients)
+        self._parameters = list(parameters)
+        self._is_last = is_last
+
+    def index(self) -> int:
+        """Position of this bucket in launch order (0 is launched first)."""
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        """The flat gradient buffer (1-D)."""
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        """Views into :meth:`buffer`, one per parameter, shaped like the parameter."""
+        return self._gradients
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters whose gradients this bucket holds, in buffer order."""
+        return self._parameters
+
+    def is_last(self) -> bool:
+        """Whether this is the last bucket launched in the iteration."""
+        return self._is_last
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        """Replace the buffer seen by later calls (used by compression wrappers)."""
+        self._buffer = tensor
+
+    def __repr__(self) -> str:
+        return (
+            f"GradBucket(index={self._index}, numel={self._buffer.numel()}, "
+            f"dtype={self._buffer.dtype}, parameters={len(self._parameters)}, is_last={self._is_last})"
+        )

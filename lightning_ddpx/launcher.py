@@ -1,0 +1,71 @@
+"""Issue communication hooks so that every rank issues its collectives in one global order.
+
+Two ways, chosen per hook (see :mod:`lightning_ddpx.grad_bucket` for the contract):
+- inline: the hook is called right away on the caller's (autograd) thread; only for hooks that issue all
+  their collectives before returning, so buckets may be in flight together, as in torch's reducer;
+- sequenced: hooks run on one communication thread, each awaited before the next starts, so hooks that
+  chain collectives from callbacks, or block, still issue them in the same order on every rank.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["InlineLauncher", "SequencedLauncher", "Task"]
+
+Task = Callable[[], torch.futures.Future]
+
+
+class InlineLauncher:
+    """Run each task at once on the calling thread."""
+
+    def submit(self, task: Task) -> torch.futures.Future:
+        return task()
+
+    def close(self) -> None:
+        pass
+
+
+class SequencedLauncher:
+    """Run tasks one at a time, in submission order, on a private daemon thread.
+
+    ``submit`` returns at once with a future that completes when the task's own future does; the next
+    task starts only then. An exception in a task fails that task's future and nothing else.
+    """
+
+    def __init__(self, name: str = "lightning_ddpx-comm") -> None:
+        self._queue: queue.SimpleQueue[tuple[Task, torch.futures.Future] | None] = queue.SimpleQueue()
+        self._name = name
+        self._thread: threading.Thread | None = None
+        self._finalizer = weakref.finalize(self, self._queue.put, None)
+
+    def submit(self, task: Task) -> torch.futures.Future:
+        if self._thread is None:
+            self._thread = threading.Thread(target=_serve, args=(self._queue,), name=self._name, daemon=True)
+            self._thread.start()
+        done: torch.futures.Future = torch.futures.Future()
+        self._queue.put((task, done))
+        return done
+
+    def close(self) -> None:
+        """Stop the thread after the tasks already submitted."""
+        self._finalizer()
+
+
+def _serve(tasks: "queue.SimpleQueue[tuple[Task, torch.futures.Future] | None]") -> None:
+    while True:
+        item = tasks.get()
+        if item is None:
+            return
+        task, done = item
+        try:
+            value: Any = task().wait()
+        except BaseException as error:  # noqa: BLE001 - the waiting side re-raises it
+            done.set_exception(error)
+        else:
+            done.set_result(value)

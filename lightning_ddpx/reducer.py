@@ -1,0 +1,392 @@
+"""The bucketed gradient reducer: gradient hooks, in-order bucket launch, and finalize at end of backward.
+
+An iteration moves through named phases:
+
+- ``IDLE``: no synchronisation expected (``no_sync``, evaluation, or between iterations). Gradient hooks
+  return at once and gradients accumulate locally in ``param.grad``.
+- ``ARMED``: a synchronising forward ran; the first gradient hook of backward starts reduction.
+- ``REDUCING``: backward is running. Each ready gradient is counted in its bucket; a complete bucket is
+  launched through the communication hook once every lower-index bucket has been launched. At the end of
+  backward the autograd engine calls :meth:`Reducer._finalize`, which waits for the hooks' results and
+  writes averaged gradients into ``param.grad``.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from lightning_ddpx.bucketing import BucketInfo, BucketSpec, plan_buckets
+from lightning_ddpx.graph import reachable_parameter_indices
+from lightning_ddpx.grad_bucket import GradBucket, collectives_issued_on_call, issues_collectives_on_call
+from lightning_ddpx.launcher import InlineLauncher, SequencedLauncher
+
+__all__ = ["Reducer", "mean_allreduce_hook"]
+
+CommHook = Callable[[Any, GradBucket], torch.futures.Future]
+
+
+@collectives_issued_on_call
+def mean_allreduce_hook(process_group: dist.ProcessGroup, bucket: GradBucket) -> torch.futures.Future:
+    """The default reduction: multiply by 1/world_size, then sum-allreduce (torch's default, bit for bit)."""
+    buffer = bucket.buffer()
+    buffer.mul_(1.0 / dist.get_world_size(process_group))
+    return dist.all_reduce(buffer, group=process_group, async_op=True).get_future()
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    ARMED = "armed"
+    REDUCING = "reducing"
+
+
+class _Bucket:
+    """Runtime storage for one :class:`BucketSpec`: the flat buffer and per-parameter views into it."""
+
+    __slots__ = ("spec", "buffer", "views", "params")
+
+    def __init__(self, spec: BucketSpec, params: Sequence[torch.nn.Parameter]) -> None:
+        self.spec = spec
+        self.buffer = torch.zeros(spec.numel, dtype=spec.dtype, device=spec.device)
+        self.params = [params[i] for i in spec.param_indices]
+        self.views = [
+            self.buffer[offset : offset + p.numel()].view_as(p) for offset, p in zip(spec.offsets, self.params)
+        ]
+
+
+class Reducer:
+    """Averages gradients of ``params`` across ``process_group`` during backward, bucket by bucket."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        names: Sequence[str],
+        process_group: dist.ProcessGroup,
+        first_cap_bytes: int,
+        cap_bytes: int,
+        find_unused_parameters: bool,
+        gradient_as_bucket_view: bool,
+    ) -> None:
+        self.params = list(params)
+        self.names = list(names)
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.first_cap_bytes = first_cap_bytes
+        self.cap_bytes = cap_bytes
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self._index_of = {id(p): i for i, p in enumerate(self.params)}
+
+        self.hook: CommHook = mean_allreduce_hook
+        self.hook_state: Any = process_group
+        self.hook_is_default = True
+        self._launcher: InlineLauncher | SequencedLauncher = InlineLauncher()
+
+        self.phase = Phase.IDLE
+        self.iterations_synced = 0  # completed synchronised backwards
+        self._ready_order: list[int] | None = []  # recorded in the first synchronised backward
+        self._rebuild_pending = False
+        self._forward_unused: set[int] = set()
+        self._observed_order: list[int] = []
+        self.last_exposed_comm_s = 0.0
+        self._install_plan(list(reversed(range(len(self.params)))))
+        self._handles = [p.register_post_accumulate_grad_hook(self._make_grad_hook(i)) for i, p in enumerate(self.params)]
+
+    # ----------------------------------------------------------------------------------------- plan
+    def _install_plan(self, order: Sequence[int]) -> None:
+        numels = [p.numel() for p in self.params]
+        specs = plan_buckets(
+            numels, [p.dtype for p in self.params], [p.device for p in self.params], order,
+            self.first_cap_bytes, self.cap_bytes,
+        )  # fmt: skip
+        self.buckets = [_Bucket(spec, self.params) for spec in specs]
+        self._bucket_of = [0] * len(self.params)
+        self._position_of = [0] * len(self.params)
+        for b, bucket in enumerate(self.buckets):
+            for position, index in enumerate(bucket.spec.param_indices):
+                self._bucket_of[index] = b
+                self._position_of[index] = position
+        if self.gradient_as_bucket_view:
+            self._alias_grads_to_buckets()
+        self._reset_iteration()
+
+    @torch.no_grad()
+    def _alias_grads_to_buckets(self) -> None:
+        """Make every existing ``param.grad`` a view into its bucket (values kept)."""
+        for bucket in self.buckets:
+            for param, view in zip(bucket.params, bucket.views):
+                if param.grad is not None and param.grad is not view:
+                    view.copy_(param.grad)
+                    param.grad = view
+
+    def bucket_infos(self) -> list[BucketInfo]:
+        return [
+            BucketInfo(b, bucket.spec.num_bytes, bucket.spec.dtype, bucket.spec.device,
+                       tuple(self.names[i] for i in bucket.spec.param_indices))
+            for b, bucket in enumerate(self.buckets)
+        ]  # fmt: skip
+
+    def _reset_iteration(self) -> None:
+        count = len(self.buckets)
+        self._pending = [len(bucket.params) for bucket in self.buckets]
+        self._unused_in_bucket = [0] * count
+        self._ready = bytearray(len(self.params))
+        self._locally_used = bytearray(len(self.params))
+        self._next_launch = 0
+        self._futures: list[torch.futures.Future | None] = [None] * count
+
+    # ------------------------------------------------------------------------------------ comm hook
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        self.hook, self.hook_state, self.hook_is_default = hook, state, False
+        self._launcher.close()
+        self._launcher = InlineLauncher() if issues_collectives_on_call(hook) else SequencedLauncher()
+
+    # -------------------------------------------------------------------------------------- forward
+    def prepare_forward(self, will_sync: bool) -> None:
+        """Called before each forward: refuses to start over an unfinished reduction, rebuilds buckets."""
+        if self.phase is Phase.REDUCING:
+            self._abandon_iteration()
+            raise RuntimeError(
+                "lightning_ddpx: the previous backward started synchronising gradients but never finished "
+                f"(buckets not launched: {self._unlaunched()}). This happens when backward raised or was "
+                "interrupted. Ranks may now be out of step; restart from a checkpoint."
+            )
+        if will_sync and self._rebuild_pending:
+            self._rebuild_buckets()
+
+    def prepare_backward(self, outputs: Any) -> None:
+        """Called after a synchronising forward: arm reduction, and find unused parameters if asked."""
+        self.phase = Phase.ARMED
+        if self.find_unused_parameters:
+            reached = reachable_parameter_indices(outputs, self._index_of)
+            self._forward_unused = set(range(len(self.params))) - reached
+
+    def disarm(self) -> None:
+        """A forward that will not synchronise (``no_sync`` or grad disabled) cancels a pending one."""
+        if self.phase is Phase.ARMED:
+            self.phase = Phase.IDLE
+
+    # ------------------------------------------------------------------------------------- backward
+    def _make_grad_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def on_grad_accumulated(_param: torch.Tensor) -> None:
+            if self.phase is not Phase.REDUCING:
+                if self.phase is Phase.IDLE:
+                    return
+                self._begin_reduction()
+            self._mark_ready(index, used=True)
+
+        return on_grad_accumulated
+
+    def _begin_reduction(self) -> None:
+        self.phase = Phase.REDUCING
+        torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        unused, self._forward_unused = self._forward_unused, set()
+        for index in sorted(unused):
+            self._mark_ready(index, used=False)
+
+    def _mark_ready(self, index: int, used: bool) -> None:
+        if self._ready[index]:
+            raise RuntimeError(self._ready_twice_message(index))
+        self._ready[index] = 1
+        if self._ready_order is not None:
+            self._ready_order.append(index)
+        b = self._bucket_of[index]
+        if used:
+            self._locally_used[index] = 1
+            if self.gradient_as_bucket_view:
+                self._adopt_grad_as_view(index, b)
+        else:
+            self._unused_in_bucket[b] += 1
+            if self.gradient_as_bucket_view:
+                self._detach_unused_view(index, b)
+        self._pending[b] -= 1
+        if self._pending[b] == 0 and b == self._next_launch:
+            self._launch_ready_buckets()
+
+    def _adopt_grad_as_view(self, index: int, b: int) -> None:
+        param = self.params[index]
+        view = self.buckets[b].views[self._position_of[index]]
+        if param.grad is not view:
+            with torch.no_grad():
+                view.copy_(param.grad)
+            param.grad = view
+
+    def _detach_unused_view(self, index: int, b: int) -> None:
+        """An unused parameter contributes zero; its own ``grad`` keeps its value (a private copy)."""
+        param = self.params[index]
+        view = self.buckets[b].views[self._position_of[index]]
+        if param.grad is view:
+            param.grad = view.clone()
+        view.zero_()
+
+    def _launch_ready_buckets(self) -> None:
+        while self._next_launch < len(self.buckets) and self._pending[self._next_launch] == 0:
+            self._launch(self._next_launch)
+            self._next_launch += 1
+
+    def _launch(self, b: int) -> None:
+        bucket = self.buckets[b]
+        with record_function("lightning_ddpx::launch_bucket"):
+            if not self.gradient_as_bucket_view:
+                self._copy_grads_into(b, bucket)
+            grad_bucket = GradBucket(b, bucket.buffer, bucket.views, bucket.params, b == len(self.buckets) - 1)
+            hook, state = self.hook, self.hook_state
+            self._futures[b] = self._launcher.submit(lambda: hook(state, grad_bucket))
+
+    @torch.no_grad()
+    def _copy_grads_into(self, b: int, bucket: _Bucket) -> None:
+        if self._unused_in_bucket[b] == 0:
+            torch._foreach_copy_(bucket.views, [p.grad for p in bucket.params])
+            return
+        used = self._locally_used
+        for index, param, view in zip(bucket.spec.param_indices, bucket.params, bucket.views):
+            if used[index]:
+                view.copy_(param.grad)
+            else:
+                view.zero_()
+
+    # ------------------------------------------------------------------------------------- finalize
+    def _finalize(self) -> None:
+        """End of backward: launch what is left, wait for every bucket, write averaged gradients."""
+        succeeded = False
+        with record_function("lightning_ddpx::finalize"):
+            try:
+                missing = [i for i in range(len(self.params)) if not self._ready[i]]
+                if missing and not self.find_unused_parameters:
+                    self._wait_launched_quietly()
+                    raise RuntimeError(self._unused_message(missing))
+                for index in missing:  # reachable from outputs but not from the loss
+                    self._mark_ready(index, used=False)
+                globally_used = self._launch_used_bitmap() if self.find_unused_parameters else None
+                started = time.perf_counter()
+                results = [self._result_of(b) for b in range(len(self.buckets))]
+                used_counts = globally_used.wait()[0] if globally_used is not None else None
+                self.last_exposed_comm_s = time.perf_counter() - started
+                self._write_back(results, used_counts)
+                succeeded = True
+            finally:
+                self._end_iteration(succeeded)
+
+    def _launch_used_bitmap(self) -> torch.futures.Future:
+        bitmap = torch.tensor(list(self._locally_used), dtype=torch.int32, device=self.buckets[0].buffer.device)
+        group = self.process_group
+        return self._launcher.submit(lambda: dist.all_reduce(bitmap, group=group, async_op=True).get_future())
+
+    def _result_of(self, b: int) -> torch.Tensor:
+        future = self._futures[b]
+        assert future is not None, f"bucket {b} was never launched"
+        try:
+            value = future.wait()
+        except Exception as error:
+            raise RuntimeError(
+                f"lightning_ddpx: the communication hook {_hook_name(self.hook)} failed for bucket {b} "
+                f"(parameters {self._bucket_names(b)}): {error}"
+            ) from error
+        if isinstance(value, (list, tuple)) and len(value) == 1:
+            value = value[0]
+        buffer = self.buckets[b].buffer
+        if not isinstance(value, torch.Tensor) or value.numel() != buffer.numel() or value.dtype != buffer.dtype:
+            got = f"{type(value).__name__}" if not isinstance(value, torch.Tensor) else f"{value.dtype} x {value.numel()}"
+            raise RuntimeError(
+                f"lightning_ddpx: the communication hook {_hook_name(self.hook)} returned {got} for bucket {b}, "
+                f"but the bucket holds {buffer.dtype} x {buffer.numel()} (parameters {self._bucket_names(b)}). "
+                "A hook's future must hold the reduced flat buffer: same size and dtype as bucket.buffer()."
+            )
+        return value
+
+    @torch.no_grad()
+    def _write_back(self, results: list[torch.Tensor], used_counts: torch.Tensor | None) -> None:
+        for bucket, result in zip(self.buckets, results):
+            if result is not bucket.buffer:
+                bucket.buffer.copy_(result)
+            grads, views = [], []
+            for index, param, view in zip(bucket.spec.param_indices, bucket.params, bucket.views):
+                if used_counts is not None and int(used_counts[index]) == 0:
+                    continue  # unused on every rank: leave its grad untouched
+                if self.gradient_as_bucket_view:
+                    param.grad = view
+                elif param.grad is None:
+                    param.grad = view.clone()
+                else:
+                    grads.append(param.grad)
+                    views.append(view)
+            if grads:
+                torch._foreach_copy_(grads, views)
+
+    def _end_iteration(self, succeeded: bool) -> None:
+        self.phase = Phase.IDLE
+        if succeeded:
+            self.iterations_synced += 1
+        if self._ready_order is not None:
+            if succeeded and len(self._ready_order) == len(self.params):
+                self._observed_order, self._ready_order = self._ready_order, None
+                self._rebuild_pending = True
+            else:
+                self._ready_order = []
+        self._reset_iteration()
+
+    def _abandon_iteration(self) -> None:
+        self._wait_launched_quietly()
+        self._end_iteration(succeeded=False)
+
+    def _wait_launched_quietly(self) -> None:
+        for future in self._futures:
+            if future is not None:
+                try:
+                    future.wait()
+                except Exception:  # noqa: BLE001 - we are already reporting a more useful error
+                    pass
+
+    # -------------------------------------------------------------------------------------- rebuild
+    def _rebuild_buckets(self) -> None:
+        """Re-plan buckets along the ready order rank 0 observed, so all ranks agree on the layout."""
+        order = torch.tensor(self._observed_order, dtype=torch.int64)
+        if self.buckets[0].buffer.device.type != "cpu":
+            order = order.to(self.buckets[0].buffer.device)
+        dist.broadcast(order, group=self.process_group, group_src=0)
+        self._install_plan(order.tolist())
+        self._rebuild_pending = False
+
+    # --------------------------------------------------------------------------------------- errors
+    def _bucket_names(self, b: int) -> list[str]:
+        names = [self.names[i] for i in self.buckets[b].spec.param_indices]
+        return names if len(names) <= 6 else names[:6] + [f"... {len(names) - 6} more"]
+
+    def _unlaunched(self) -> list[int]:
+        return [b for b, future in enumerate(self._futures) if future is None]
+
+    def _unused_message(self, missing: list[int]) -> str:
+        names = ", ".join(repr(self.names[i]) for i in missing[:20])
+        more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
+        return (
+            f"lightning_ddpx: on rank {dist.get_rank(self.process_group)}, parameter(s) {names}{more} received "
+            "no gradient in this backward, so their buckets cannot be reduced. Either the forward did not use "
+            "them or the loss does not depend on them. Pass find_unused_parameters=True to "
+            "DistributedDataParallel (or use strategy 'ddpx_find_unused_parameters_true' in Lightning), "
+            "or set requires_grad=False on parameters that are never trained."
+        )
+
+    def _ready_twice_message(self, index: int) -> str:
+        name = self.names[index]
+        if self.find_unused_parameters:
+            return (
+                f"lightning_ddpx: parameter {name!r} received a gradient after it was marked unused: it is not "
+                "reachable from the outputs that forward() returned, yet the loss depends on it. Return every "
+                "tensor the loss depends on from forward()."
+            )
+        return (
+            f"lightning_ddpx: parameter {name!r} received a gradient twice in one synchronised iteration "
+            "(backward ran more than once after one forward). Run the extra backward passes inside no_sync(), "
+            "or combine the losses into one backward."
+        )
+
+
+def _hook_name(hook: Callable) -> str:
+    module = getattr(hook, "__module__", None)
+    name = getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None) or repr(hook)
+    return f"{module}.{name}" if module else name
