@@ -1,0 +1,282 @@
+"""Step time of lightning_ddpx.DistributedDataParallel against torch's, on a 2-process CPU gloo job.
+
+    python benchmarks/bench_engine.py                      # all three models, default allreduce
+    python benchmarks/bench_engine.py --noop               # no-communication hook on both: compute-only
+    python benchmarks/bench_engine.py --gradient-as-bucket-view --models many --steps 200 --json out.json
+
+Both modules train their own copy of the same model, in the same two processes, interleaved in short blocks
+(see ``benchmarks.common.interleaved_timing`` for why): the number that matters is the ratio ours/torch of
+step times measured close together, not the absolute milliseconds, which drift on a shared machine.
+A step is zero_grad, forward, MSE loss, backward (gradient synchronisation), SGD step; rank 0 times it with
+``time.perf_counter`` and both ranks run exactly the same schedule. See docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` and `lightning_ddpx` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from benchmarks.common import (  # noqa: E402
+    MODELS,
+    build_model,
+    environment_info,
+    format_table,
+    interleaved_timing,
+    launch,
+    make_batch,
+    make_train_step,
+    max_param_diff,
+    parameter_summary,
+    summarize_pair,
+    verdict,
+)
+
+DEFAULT_MODELS = ("mlp", "transformer", "many")
+CONTENDERS = ("torch", "ours")  # baseline first: ratios are ours / torch
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything one 2-process job needs; identical on both ranks, so both do identical work."""
+
+    model: str
+    steps: int
+    warmup: int
+    block: int
+    noop: bool
+    gradient_as_bucket_view: bool
+    lr: float
+    seed: int
+    verbose: bool
+
+
+def run_rank(rank: int, world_size: int, config: RunConfig) -> dict[str, Any]:
+    """Body of one rank: wrap two copies of the model, one in each DDP, and time them interleaved."""
+    from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from lightning_ddpx import DistributedDataParallel as OursDDP
+
+    # Subnormal floats can make CPU arithmetic 10-100x slower at random points as weights drift; flushing them
+    # keeps the arithmetic cost constant so that only the data-parallel machinery differs between contenders.
+    torch.set_flush_denormal(True)
+    modules = {name: build_model(config.model, config.seed) for name in CONTENDERS}
+    gbv = config.gradient_as_bucket_view
+    # Default bucket sizes and flags on both; only gradient_as_bucket_view is varied (and the same on both).
+    wrapped = {
+        "torch": TorchDDP(modules["torch"], gradient_as_bucket_view=gbv),
+        "ours": OursDDP(modules["ours"], gradient_as_bucket_view=gbv),
+    }
+    if config.noop:
+        for ddp in wrapped.values():
+            ddp.register_comm_hook(None, noop_hook)
+    batch = make_batch(config.model, rank, config.seed)
+    steps = {
+        name: make_train_step(wrapped[name], torch.optim.SGD(wrapped[name].parameters(), lr=config.lr), batch)
+        for name in CONTENDERS
+    }
+
+    reducer = getattr(wrapped["ours"], "reducer", None)
+    exposed_comm_s: list[float] = []
+
+    def record_exposed_comm() -> None:  # how long finalize waited for communication (our reducer only)
+        exposed_comm_s.append(float(getattr(reducer, "last_exposed_comm_s", float("nan"))))
+
+    def report_round(r: int, rounds: int, times: dict[str, list[float]]) -> None:
+        if rank == 0 and config.verbose:
+            parts = [f"{name} " + " ".join(f"{1e3 * t:7.1f}" for t in times[name]) for name in CONTENDERS]
+            print(f"  {config.model} round {r + 1:3d}/{rounds}  " + "  | ".join(parts) + "  ms", flush=True)
+
+    gc.collect()
+    times = interleaved_timing(
+        steps,
+        timed_steps=config.steps,
+        warmup_steps=config.warmup,
+        block=config.block,
+        on_block=report_round,
+        after_step={"ours": record_exposed_comm},
+    )
+    tensors, numel = parameter_summary(modules["ours"])
+    return {
+        "rank": rank,
+        "times_s": times,
+        "ours_exposed_comm_s": exposed_comm_s,
+        # Same init, same batches, same arithmetic: the copies must still agree, or the comparison is unfair.
+        "param_max_abs_diff": max_param_diff(modules["torch"], modules["ours"]),
+        "param_tensors": tensors,
+        "param_numel": numel,
+        "ours_buckets": len(wrapped["ours"].bucket_plan()),
+        "ours_launcher": type(getattr(reducer, "_launcher", None)).__name__,
+    }
+
+
+def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    """Run every requested model in its own 2-process job, print the live rounds and the final table.
+
+    Returns the JSON-able results (also written to ``args.json`` when given).
+    """
+    mode = "noop hook on both (compute-only ceiling)" if args.noop else "default allreduce"
+    if args.gradient_as_bucket_view:
+        mode += ", gradient_as_bucket_view=True"
+    print(
+        f"lightning_ddpx vs torch DDP: 2 processes, gloo on 127.0.0.1, 1 thread each; {mode}; "
+        f"{args.steps} timed steps each after {args.warmup} warm-up, blocks of {args.block}",
+        flush=True,
+    )
+    env = environment_info()
+    results: dict[str, Any] = {"config": vars(args).copy(), "mode": mode, "environment": env, "models": {}}
+    rows = []
+    for name in args.models:
+        spec = MODELS[name]
+        print(f"\n[{name}] {spec.description}", flush=True)
+        config = RunConfig(
+            model=name,
+            steps=args.steps,
+            warmup=args.warmup,
+            block=args.block,
+            noop=args.noop,
+            gradient_as_bucket_view=args.gradient_as_bucket_view,
+            lr=args.lr,
+            seed=args.seed,
+            verbose=not args.quiet,
+        )
+        per_rank = launch(run_rank, (config,), world_size=2, timeout_s=args.timeout)
+        rank0 = per_rank[0]
+        summary = summarize_pair(rank0["times_s"]["torch"], rank0["times_s"]["ours"])
+        result = verdict(summary.ratio, spec.target_ratio)
+        diff = max(r["param_max_abs_diff"] for r in per_rank)
+        exposed = sorted(rank0["ours_exposed_comm_s"])
+        exposed_median_ms = 1e3 * exposed[len(exposed) // 2] if exposed else float("nan")
+        print(
+            f"[{name}] {rank0['param_tensors']} tensors, {rank0['param_numel'] / 1e6:.2f}M params, "
+            f"ours: {rank0['ours_buckets']} buckets, {rank0['ours_launcher']}, median exposed comm "
+            f"{exposed_median_ms:.1f} ms; torch {summary.baseline_ms:.1f} ms, "
+            f"ours {summary.candidate_ms:.1f} ms, "
+            f"ratio {summary.ratio:.3f} [p25 {summary.ratio_p25:.3f}, p75 {summary.ratio_p75:.3f}]",
+            flush=True,
+        )
+        if diff != 0.0:
+            print(
+                f"[{name}] WARNING: torch's and our model copies differ by {diff:.3g} after the run: the two "
+                "contenders did not do identical arithmetic.",
+                flush=True,
+            )
+        results["models"][name] = {
+            "description": spec.description,
+            "param_tensors": rank0["param_tensors"],
+            "param_numel": rank0["param_numel"],
+            "torch_ms": [1e3 * t for t in rank0["times_s"]["torch"]],
+            "ours_ms": [1e3 * t for t in rank0["times_s"]["ours"]],
+            "ours_exposed_comm_ms": [1e3 * t for t in rank0["ours_exposed_comm_s"]],
+            "ours_buckets": rank0["ours_buckets"],
+            "ours_launcher": rank0["ours_launcher"],
+            "param_max_abs_diff": diff,
+            "summary": asdict(summary),
+            "target_ratio": spec.target_ratio,
+            "result": result,
+        }
+        target = "-" if spec.target_ratio is None else f"<= {spec.target_ratio:.2f}"
+        rows.append(
+            [
+                name,
+                f"{summary.baseline_ms:.1f}",
+                f"{summary.candidate_ms:.1f}",
+                f"{summary.ratio:.3f}",
+                f"{summary.ratio_p25:.3f}-{summary.ratio_p75:.3f}",
+                f"{summary.ratio_of_medians:.3f}",
+                target,
+                result,
+            ]
+        )
+    print(
+        f"\nSummary ({mode}; {args.steps} interleaved steps each; "
+        "ratio = median over same-round step pairs of ours/torch):"
+    )
+    print(
+        format_table(
+            [
+                "model",
+                "torch ms (median)",
+                "ours ms (median)",
+                "ratio",
+                "ratio p25-p75",
+                "ratio of medians",
+                "target",
+                "result",
+            ],
+            rows,
+        ),
+        flush=True,
+    )
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+        print(f"results written to {args.json}")
+    return results
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--models",
+        default=",".join(DEFAULT_MODELS),
+        help=f"comma-separated, from {', '.join(MODELS)} (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=100, help="timed steps per contender (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=5,
+        help="untimed steps per contender first; >= 2 covers the bucket rebuild (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--block",
+        type=int,
+        default=5,
+        help="steps of one contender before switching to the other (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--noop",
+        action="store_true",
+        help="register torch's debugging noop_hook on both: no communication, compute-only ceiling",
+    )
+    parser.add_argument(
+        "--gradient-as-bucket-view", action="store_true", help="pass gradient_as_bucket_view=True to both"
+    )
+    parser.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per model's job")
+    parser.add_argument("--json", metavar="PATH", help="write every step time and the summary here")
+    parser.add_argument("--quiet", action="store_true", help="do not print each round's step times")
+    args = parser.parse_args(argv)
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in args.models if m not in MODELS]
+    if unknown or not args.models:
+        parser.error(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
+    if args.steps < 1 or args.block < 1 or args.warmup < 0:
+        parser.error("--steps and --block must be >= 1 and --warmup >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Entry point: parse ``argv`` (default: the command line) and run the benchmark; returns the results."""
+    return run_benchmark(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
