@@ -1,0 +1,255 @@
+"""Our DistributedDataParallel against torch's, on 2 and 3 gloo ranks, step by step.
+
+Each scenario trains both wrappers side by side (tests/oracle.py) for >= 10 SGD steps with rank-dependent
+data and asserts gradients, parameters and buffers equal after every step (rtol 1e-6). Small bucket caps
+force several buckets, so ordering and rebuild are exercised, not just a single allreduce.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+import lightning_ddpx
+from tests.dist_utils import run_distributed
+from tests.oracle import rank_batch, train_side_by_side
+
+SMALL_BUCKETS = {"bucket_cap_mb": 0.004, "first_bucket_cap_mb": 0.001}  # ~1000 and ~250 floats
+STEPS = 10
+
+
+# ------------------------------------------------------------------------------------------- models
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def mlp_loss(model: nn.Module, step: int) -> torch.Tensor:
+    rank = dist.get_rank()
+    return model(rank_batch(rank, step, (8, 16))).pow(2).mean() * (rank + 1)
+
+
+def conv_bn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 8, 3), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4),
+    )  # fmt: skip
+
+
+def conv_loss(model: nn.Module, step: int) -> torch.Tensor:
+    rank = dist.get_rank()
+    return model(rank_batch(rank, step, (4, 3, 10, 10))).pow(2).mean()
+
+
+class Branches(nn.Module):
+    """Rank 0 uses branch ``a``, the others branch ``b``; ``never`` is unused on every rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(16, 16)
+        self.a = nn.Linear(16, 4)
+        self.b = nn.Linear(16, 4)
+        self.never = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.trunk(x))
+        return self.a(h) if dist.get_rank() == 0 else self.b(h)
+
+
+class Frozen(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(16, 32)
+        self.embed.requires_grad_(False)
+        self.head = nn.Sequential(nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(x))
+
+
+class Tied(nn.Module):
+    """One weight used by two layers: its gradient is the sum of both uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(16, 16)
+        self.second = nn.Linear(16, 16)
+        self.second.weight = self.first.weight
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.second(torch.tanh(self.first(x)))))
+
+
+class Reordered(nn.Module):
+    """Layers are registered a, b, c but run c, a, b: the ready order differs from the registration order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(32, 32)
+        self.b = nn.Linear(32, 4)
+        self.c = nn.Linear(16, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(torch.relu(self.c(x)))))
+
+
+# ------------------------------------------------------------------------------------------ workers
+SCENARIOS = {
+    "mlp": (mlp, mlp_loss, SMALL_BUCKETS, {}),
+    "mlp_as_view": (mlp, mlp_loss, {**SMALL_BUCKETS, "gradient_as_bucket_view": True}, {"gradient_as_bucket_view": True}),
+    "conv_bn": (conv_bn, conv_loss, SMALL_BUCKETS, {}),
+    "branches": (Branches, mlp_loss, {**SMALL_BUCKETS, "find_unused_parameters": True}, {"find_unused_parameters": True}),
+    "branches_as_view": (
+        Branches, mlp_loss,
+        {**SMALL_BUCKETS, "find_unused_parameters": True, "gradient_as_bucket_view": True},
+        {"find_unused_parameters": True, "gradient_as_bucket_view": True},
+    ),
+    "frozen": (Frozen, mlp_loss, SMALL_BUCKETS, {}),
+    "tied": (Tied, mlp_loss, SMALL_BUCKETS, {}),
+    "reordered": (Reordered, mlp_loss, SMALL_BUCKETS, {}),
+}  # fmt: skip
+
+
+def run_scenario(rank: int, world_size: int, name: str, accumulate: int = 1) -> dict:
+    build, loss_fn, ours_kwargs, torch_kwargs = SCENARIOS[name]
+    return train_side_by_side(rank, build, loss_fn, STEPS, ours_kwargs, torch_kwargs, accumulate=accumulate)
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_matches_torch_ddp_two_ranks(name: str) -> None:
+    results = run_distributed(run_scenario, 2, name)
+    for param_name, value in results[0]["params"].items():  # replicas stay identical
+        torch.testing.assert_close(value, results[1]["params"][param_name], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["mlp", "branches", "conv_bn"])
+def test_matches_torch_ddp_three_ranks(name: str) -> None:
+    run_distributed(run_scenario, 3, name)
+
+
+@pytest.mark.parametrize("name", ["mlp", "conv_bn", "mlp_as_view"])
+def test_no_sync_accumulation_matches_torch(name: str) -> None:
+    run_distributed(run_scenario, 2, name, 3)
+
+
+def test_branch_unused_everywhere_keeps_grad_none() -> None:
+    results = run_distributed(check_globally_unused, 2)
+    assert results == [True, True]
+
+
+def check_globally_unused(rank: int, world_size: int) -> bool:
+    torch.manual_seed(0)
+    model = lightning_ddpx.DistributedDataParallel(Branches(), find_unused_parameters=True, **SMALL_BUCKETS)
+    for step in range(3):
+        model.zero_grad()
+        mlp_loss(model, step).backward()
+        assert model.module.never.weight.grad is None, "a parameter unused on every rank must keep grad None"
+        # 'a' is used on rank 0 only, 'b' on the others: both get the averaged gradient on every rank.
+        assert model.module.a.weight.grad is not None and model.module.b.weight.grad is not None
+    return True
+
+
+def test_rebuild_follows_observed_ready_order() -> None:
+    results = run_distributed(run_scenario, 2, "reordered")
+    plans = results[0]["plans"]
+    # Construction plans in reverse registration order (c's tensors last); after the first iteration the
+    # observed order (b, a, c) is used, so c's parameters are in the last bucket launched.
+    assert plans[1] == plans[-1], "buckets must be rebuilt once, then stay"
+    flat = [name for bucket in plans[1] for name in bucket]
+    assert flat.index("b.bias") < flat.index("a.weight") < flat.index("c.weight"), plans[1]
+    assert results[0]["plans"] == results[1]["plans"], "ranks must agree on the rebuilt layout"
+
+
+def count_collectives_under_no_sync(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    model = lightning_ddpx.DistributedDataParallel(mlp(), **SMALL_BUCKETS)
+    calls = []
+    original = dist.all_reduce
+
+    def counting_all_reduce(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counting_all_reduce
+    try:
+        counts = []
+        for step in range(4):  # step 0 runs before the rebuild
+            with model.no_sync():
+                mlp_loss(model, 10 * step).backward()
+                mlp_loss(model, 10 * step + 1).backward()
+            counts.append(("inside no_sync", len(calls)))
+            calls.clear()
+            mlp_loss(model, 10 * step + 2).backward()
+            counts.append(("synced", len(calls)))
+            calls.clear()
+        return {"counts": counts, "buckets": len(model.bucket_plan())}
+    finally:
+        dist.all_reduce = original
+
+
+def test_no_sync_issues_no_collective() -> None:
+    result = run_distributed(count_collectives_under_no_sync, 2)[0]
+    buckets = result["buckets"]
+    assert buckets > 1
+    for label, count in result["counts"]:
+        if label == "inside no_sync":
+            assert count == 0, result
+    # After the rebuild every synced backward launches exactly one collective per bucket.
+    assert [c for label, c in result["counts"][2:] if label == "synced"] == [buckets] * 3, result
+
+
+# --------------------------------------------------------------------- torch's own hooks on our module
+def run_torch_hook(rank: int, world_size: int, hook_name: str) -> dict:
+    if hook_name == "powersgd":
+        ours_state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        torch_state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        hooks = ((ours_state, powerSGD_hook.powerSGD_hook), (torch_state, powerSGD_hook.powerSGD_hook))
+        single_bucket = {"bucket_cap_mb": 100.0}
+        return train_side_by_side(
+            rank, mlp, mlp_loss, STEPS + 2, {**single_bucket, "first_bucket_cap_mb": 100.0}, single_bucket,
+            hooks=hooks, rtol=1e-5, atol=1e-6,
+        )  # fmt: skip
+    hook = {"allreduce": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook}[hook_name]
+    tolerance = {"allreduce": (1e-6, 1e-7), "fp16": (1e-3, 1e-4)}[hook_name]
+    return train_side_by_side(
+        rank, conv_bn, conv_loss, STEPS, SMALL_BUCKETS, {}, hooks=((None, hook), (None, hook)),
+        rtol=tolerance[0], atol=tolerance[1],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("hook_name", ["allreduce", "fp16", "powersgd"])
+def test_torch_hooks_run_on_our_module(hook_name: str) -> None:
+    run_distributed(run_torch_hook, 2, hook_name)
+
+
+def train_torch_powersgd_many_buckets(rank: int, world_size: int) -> dict:
+    """torch's PowerSGD chains allreduces from callbacks; on torch's DDP with several buckets it can abort
+    with a gloo collective mismatch. Our sequenced launcher must keep one order on every rank."""
+    torch.manual_seed(0)
+    model = lightning_ddpx.DistributedDataParallel(mlp(), **SMALL_BUCKETS)
+    state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2)
+    model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    target = torch.zeros(8, 4)
+    losses = []
+    for step in range(30):
+        optimizer.zero_grad()
+        x = rank_batch(rank, step % 4, (8, 16))
+        loss = (model(x) - target).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return {"losses": losses, "buckets": len(model.bucket_plan()), "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def test_torch_powersgd_with_many_buckets_keeps_collective_order() -> None:
+    results = run_distributed(train_torch_powersgd_many_buckets, 2)
+    assert results[0]["buckets"] >= 3
+    for a, b in zip(results[0]["params"], results[1]["params"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # replicas identical
+    losses = results[0]["losses"]
+    assert sum(losses[-4:]) < 0.5 * sum(losses[:4]), losses
