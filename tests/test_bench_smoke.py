@@ -1,0 +1,101 @@
+"""Keep the benchmarks from rotting: their statistics, their models, and one tiny end-to-end run.
+
+The benchmarks are run by hand, rarely, on a quiet machine; without a test an API change in the package or
+a typo in a code path only they use would go unnoticed until the day someone needs the numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.common import (
+    MODELS,
+    build_model,
+    interleaved_timing,
+    parameter_summary,
+    percentile,
+    summarize_pair,
+    verdict,
+)
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_percentile_interpolates_like_numpy() -> None:
+    values = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 100) == 4.0
+    assert percentile(values, 50) == 2.5
+    assert percentile(values, 25) == pytest.approx(1.75)
+    assert percentile([7.0], 75) == 7.0
+
+
+def test_summarize_pair_uses_same_round_ratios() -> None:
+    # The machine slows down 3x half-way: ratios of same-round pairs stay at 1.1 regardless.
+    baseline = [0.010, 0.010, 0.030, 0.030]
+    candidate = [0.011, 0.011, 0.033, 0.033]
+    summary = summarize_pair(baseline, candidate)
+    assert summary.ratio == pytest.approx(1.1)
+    assert summary.ratio_p25 == pytest.approx(1.1) and summary.ratio_p75 == pytest.approx(1.1)
+    assert summary.baseline_ms == pytest.approx(20.0) and summary.candidate_ms == pytest.approx(22.0)
+    assert summary.pairs == 4
+    with pytest.raises(ValueError):
+        summarize_pair([0.1], [0.1, 0.2])
+
+
+def test_verdict() -> None:
+    assert verdict(1.0, 1.0) == "PASS"
+    assert verdict(1.06, 1.05) == "MISS"
+    assert verdict(3.0, None) == "-"
+
+
+def test_interleaved_timing_alternates_order_and_warms_up() -> None:
+    calls: list[str] = []
+    steps = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    rounds: list[int] = []
+    times = interleaved_timing(
+        steps, timed_steps=3, warmup_steps=1, block=2, on_block=lambda r, n, t: rounds.append(r)
+    )
+    assert calls == ["a", "b"] + ["a", "a", "b", "b"] + ["b", "a"]  # warm-up, round 0, round 1 reversed
+    assert [len(times["a"]), len(times["b"])] == [3, 3]
+    assert rounds == [0, 1]
+
+
+def test_models_have_the_documented_shape() -> None:
+    """The brief each model stands for: sizes that decide where step time goes."""
+    tensors, numel = parameter_summary(build_model("mlp"))
+    assert tensors == 10 and 19e6 < numel < 22e6
+    tensors, numel = parameter_summary(build_model("many"))
+    assert 290 <= tensors <= 310 and 1.8e6 < numel < 2.3e6
+    encoder = build_model("transformer")
+    assert len(encoder.encoder.layers) == 4 and encoder.encoder.layers[0].self_attn.embed_dim == 256
+    assert MODELS["transformer"].input_shape == (8, 128, 256)
+    assert MODELS["mlp"].input_shape[0] == 32
+
+
+@pytest.mark.slow
+def test_engine_benchmark_runs_end_to_end(tmp_path) -> None:
+    out = tmp_path / "bench.json"
+    command = [
+        sys.executable, os.path.join("benchmarks", "bench_engine.py"),
+        "--models", "tiny", "--steps", "2", "--warmup", "2", "--block", "1", "--quiet", "--json", str(out),
+    ]  # fmt: skip
+    completed = subprocess.run(
+        command,
+        cwd=REPO_ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    assert "ratio" in completed.stdout and "tiny" in completed.stdout
+    tiny = json.loads(out.read_text())["models"]["tiny"]
+    assert len(tiny["torch_ms"]) == len(tiny["ours_ms"]) == 2
+    assert tiny["param_max_abs_diff"] == 0.0  # both modules did bit-identical work
+    assert tiny["summary"]["ratio"] > 0
