@@ -65,7 +65,8 @@ def describe_first_difference(per_rank: list[list[ParameterSignature]]) -> str:
             values = [None if e is None else e[field] for e in entries]
             if any(v != values[0] for v in values):
                 detail = ", ".join(
-                    f"rank {rank}: {'missing' if e is None else repr(v)}" for rank, (e, v) in enumerate(zip(entries, values))
+                    f"rank {rank}: {'missing' if e is None else repr(v)}"
+                    for rank, (e, v) in enumerate(zip(entries, values))
                 )
                 return (
                     header

@@ -157,7 +157,9 @@ class DistributedDataParallel(nn.Module):
 
 def _validate_arguments(module: Any, bucket_cap_mb: float, first_bucket_cap_mb: float) -> None:
     if not isinstance(module, nn.Module):
-        raise TypeError(f"lightning_ddpx.DistributedDataParallel wraps an nn.Module, got {type(module).__name__}")
+        raise TypeError(
+            f"lightning_ddpx.DistributedDataParallel wraps an nn.Module, got {type(module).__name__}"
+        )
     for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
             raise ValueError(
@@ -168,7 +170,9 @@ def _validate_arguments(module: Any, bucket_cap_mb: float, first_bucket_cap_mb: 
 
 def _single_device(named: list[tuple[str, nn.Parameter]]) -> torch.device:
     if not named:
-        raise ValueError("lightning_ddpx.DistributedDataParallel: the module has no parameters to synchronise.")
+        raise ValueError(
+            "lightning_ddpx.DistributedDataParallel: the module has no parameters to synchronise."
+        )
     first_name, first = named[0]
     for name, param in named:
         if param.device != first.device:

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from lightning_ddpx.bucketing import BucketInfo, BucketSpec, plan_buckets
-from lightning_ddpx.graph import reachable_parameter_indices
 from lightning_ddpx.grad_bucket import GradBucket, collectives_issued_on_call, issues_collectives_on_call
+from lightning_ddpx.graph import reachable_parameter_indices
 from lightning_ddpx.launcher import InlineLauncher, SequencedLauncher
 
 __all__ = ["Reducer", "mean_allreduce_hook"]
@@ -55,7 +55,8 @@ class _Bucket:
         self.buffer = torch.zeros(spec.numel, dtype=spec.dtype, device=spec.device)
         self.params = [params[i] for i in spec.param_indices]
         self.views = [
-            self.buffer[offset : offset + p.numel()].view_as(p) for offset, p in zip(spec.offsets, self.params)
+            self.buffer[offset : offset + p.numel()].view_as(p)
+            for offset, p in zip(spec.offsets, self.params)
         ]
 
 
@@ -95,7 +96,9 @@ class Reducer:
         self._observed_order: list[int] = []
         self.last_exposed_comm_s = 0.0
         self._install_plan(list(reversed(range(len(self.params)))))
-        self._handles = [p.register_post_accumulate_grad_hook(self._make_grad_hook(i)) for i, p in enumerate(self.params)]
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._make_grad_hook(i)) for i, p in enumerate(self.params)
+        ]
 
     # ----------------------------------------------------------------------------------------- plan
     def _install_plan(self, order: Sequence[int]) -> None:
@@ -234,7 +237,9 @@ class Reducer:
         with record_function("lightning_ddpx::launch_bucket"):
             if not self.gradient_as_bucket_view:
                 self._copy_grads_into(b, bucket)
-            grad_bucket = GradBucket(b, bucket.buffer, bucket.views, bucket.params, b == len(self.buckets) - 1)
+            grad_bucket = GradBucket(
+                b, bucket.buffer, bucket.views, bucket.params, b == len(self.buckets) - 1
+            )
             hook, state = self.hook, self.hook_state
             self._futures[b] = self._launcher.submit(lambda: hook(state, grad_bucket))
 
@@ -273,7 +278,9 @@ class Reducer:
                 self._end_iteration(succeeded)
 
     def _launch_used_bitmap(self) -> torch.futures.Future:
-        bitmap = torch.tensor(list(self._locally_used), dtype=torch.int32, device=self.buckets[0].buffer.device)
+        bitmap = torch.tensor(
+            list(self._locally_used), dtype=torch.int32, device=self.buckets[0].buffer.device
+        )
         group = self.process_group
         return self._launcher.submit(lambda: dist.all_reduce(bitmap, group=group, async_op=True).get_future())
 
@@ -290,8 +297,16 @@ class Reducer:
         if isinstance(value, (list, tuple)) and len(value) == 1:
             value = value[0]
         buffer = self.buckets[b].buffer
-        if not isinstance(value, torch.Tensor) or value.numel() != buffer.numel() or value.dtype != buffer.dtype:
-            got = f"{type(value).__name__}" if not isinstance(value, torch.Tensor) else f"{value.dtype} x {value.numel()}"
+        if (
+            not isinstance(value, torch.Tensor)
+            or value.numel() != buffer.numel()
+            or value.dtype != buffer.dtype
+        ):
+            got = (
+                f"{type(value).__name__}"
+                if not isinstance(value, torch.Tensor)
+                else f"{value.dtype} x {value.numel()}"
+            )
             raise RuntimeError(
                 f"lightning_ddpx: the communication hook {_hook_name(self.hook)} returned {got} for bucket {b}, "
                 f"but the bucket holds {buffer.dtype} x {buffer.numel()} (parameters {self._bucket_names(b)}). "

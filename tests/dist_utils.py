@@ -125,7 +125,9 @@ def run_distributed(
             try:
                 rank, status, payload = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0) and r not in outcomes]
+                dead = [
+                    r for r, p in enumerate(processes) if p.exitcode not in (None, 0) and r not in outcomes
+                ]
                 if dead:
                     raise AssertionError(
                         f"rank(s) {dead} exited with code(s) {[processes[r].exitcode for r in dead]} "

@@ -33,9 +33,12 @@ def assert_same_tensors(
     for name in ours:
         a, b = ours[name], reference[name]
         if a is None or b is None:
-            assert a is None and b is None, f"{what} {name!r}: ours is {a is None and 'None'}, torch's is {b is None and 'None'}"
+            assert a is None and b is None, (
+                f"{what} {name!r}: ours is {a is None and 'None'}, torch's is {b is None and 'None'}"
+            )
             continue
-        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{what} {name!r}: {m}")
+        prefix = f"{what} {name!r}"
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m, prefix=prefix: f"{prefix}: {m}")
 
 
 def train_side_by_side(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import lightning_ddpx
@@ -45,7 +44,9 @@ def engine_errors(rank: int, world_size: int) -> dict:
     out = {}
     # A model that differs on rank 1: every rank must raise, naming the parameter and the ranks' values.
     width = 5 if rank == 1 else 4
-    out["mismatch"] = message_of(lambda: lightning_ddpx.DistributedDataParallel(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, width))))
+    out["mismatch"] = message_of(
+        lambda: lightning_ddpx.DistributedDataParallel(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, width)))
+    )
     frozen = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
     frozen[0].bias.requires_grad_(rank == 0)
     out["requires_grad"] = message_of(lambda: lightning_ddpx.DistributedDataParallel(frozen))

@@ -243,7 +243,11 @@ def train_torch_powersgd_many_buckets(rank: int, world_size: int) -> dict:
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    return {"losses": losses, "buckets": len(model.bucket_plan()), "params": [p.detach().clone() for p in model.parameters()]}
+    return {
+        "losses": losses,
+        "buckets": len(model.bucket_plan()),
+        "params": [p.detach().clone() for p in model.parameters()],
+    }
 
 
 def test_torch_powersgd_with_many_buckets_keeps_collective_order() -> None:
