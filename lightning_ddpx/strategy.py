@@ -1,0 +1,437 @@
+"""``DDPXStrategy``: Lightning's DDP strategy running on lightning_ddpx's module and communication hooks.
+
+Switching is one line, ``Trainer(strategy="ddpx")`` instead of ``"ddp"``. Launching, rendezvous, samplers
+and cluster environments stay Lightning's (we subclass ``DDPStrategy`` for them). What changes:
+
+- the LightningModule is wrapped in :class:`lightning_ddpx.DistributedDataParallel`, never torch's; every
+  place where Lightning's ``DDPStrategy`` assumes torch's class (reducer internals in ``pre_backward`` /
+  ``post_backward``, ``teardown``, ``on_exception``, the forward redirection) is overridden here;
+- the communication hook is chosen by name (``comm_hook="powersgd"``) or passed as a callable, and is
+  applied on every device (Lightning registers hooks on CUDA only and ignores them on CPU);
+- the hook's state (PowerSGD error feedback of every rank, shared warm-start memory, iteration) goes into
+  the checkpoint Lightning writes and is restored on resume (see :mod:`lightning_ddpx.checkpoint_state`).
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from dataclasses import asdict, fields, is_dataclass
+from datetime import timedelta
+from typing import Any, Callable, Generator, Literal, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import _ForwardRedirection
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_ddpx import checkpoint_state
+from lightning_ddpx.consistency import broadcast_from_rank0
+from lightning_ddpx.distributed import DistributedDataParallel
+from lightning_ddpx.hooks import (
+    PowerSGDOptions,
+    available_hooks,
+    bf16_compress_wrapper,
+    build_comm_hook,
+    fp16_compress_wrapper,
+)
+
+__all__ = ["DDPXStrategy"]
+
+log = logging.getLogger(__name__)
+
+CommHookFn = Callable[..., Any]  # hook(state, bucket: GradBucket) -> torch.futures.Future[Tensor]
+
+_WRAPPERS: dict[str, Callable[[CommHookFn], CommHookFn]] = {
+    "fp16": fp16_compress_wrapper,
+    "bf16": bf16_compress_wrapper,
+}
+_POWERSGD_HOOKS = ("powersgd", "batched_powersgd")  # the registered names that take PowerSGDOptions
+
+
+class DDPXStrategy(DDPStrategy):
+    """Multi-process data parallelism with lightning_ddpx's gradient reducer and communication hooks.
+
+    Takes every argument of Lightning's ``DDPStrategy`` except torch's DDP kwargs, plus:
+
+    Args:
+        comm_hook: a registered hook name (``allreduce``, ``fp16``, ``bf16``, ``powersgd``,
+            ``batched_powersgd``, ``noop``; see ``lightning_ddpx.hooks.available_hooks()``) or a callable
+            ``hook(state, bucket) -> Future[Tensor]`` such as torch's ``ddp_comm_hooks``. ``None``: plain
+            mean allreduce, bit for bit torch's default.
+        comm_state: the state passed to a callable ``comm_hook`` (e.g. a process group, or an object with
+            ``state_dict()``/``load_state_dict()`` to be checkpointed). Named hooks build their own.
+        comm_wrapper: ``"fp16"`` or ``"bf16"`` to compress buckets before the hook and decompress after
+            (e.g. ``comm_hook="powersgd", comm_wrapper="fp16"``).
+        powersgd: PowerSGD options for ``comm_hook="powersgd"``/``"batched_powersgd"``, as a
+            ``PowerSGDOptions`` or a dict of its fields (``{"matrix_approximation_rank": 4}``).
+        bucket_cap_mb, first_bucket_cap_mb, find_unused_parameters, broadcast_buffers,
+            gradient_as_bucket_view: passed to :class:`lightning_ddpx.DistributedDataParallel`.
+    """
+
+    strategy_name = "ddpx"
+
+    def __init__(
+        self,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        comm_hook: Optional[Union[CommHookFn, str]] = None,
+        comm_state: Optional[Any] = None,
+        comm_wrapper: Optional[Literal["fp16", "bf16"]] = None,
+        powersgd: Optional[Union[PowerSGDOptions, dict[str, Any]]] = None,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float = 1.0,
+        find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
+        gradient_as_bucket_view: bool = False,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        # Validate everything before Lightning sees the strategy: a typo fails at once, not after launch.
+        _check_bucket_caps(bucket_cap_mb, first_bucket_cap_mb)
+        _check_hook_arguments(comm_hook, comm_state, comm_wrapper)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        # Lightning's redirection toggles torch-DDP attributes in manual optimisation; ours needs none of it
+        # (see training_step/pre_backward), so use the plain one.
+        self._forward_redirection = _ForwardRedirection()
+        self.comm_hook = comm_hook
+        self.comm_state = comm_state
+        self.comm_wrapper = comm_wrapper
+        self.powersgd = _powersgd_options(comm_hook, powersgd)
+        self.bucket_cap_mb = float(bucket_cap_mb)
+        self.first_bucket_cap_mb = float(first_bucket_cap_mb)
+        self.find_unused_parameters = find_unused_parameters
+        self.broadcast_buffers = broadcast_buffers
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self._hook_state: Any = None  # the state registered with the module (built or given)
+        self._pending_hook_entry: Any = _NOTHING_LOADED  # from load_checkpoint, applied once the hook exists
+        self._sync_blocked = 0  # depth of block_backward_sync(); read by manual optimisation
+
+    # ------------------------------------------------------------------------------------ description
+    @property
+    def hook_name(self) -> str:
+        """How checkpoints identify the hook: ``"powersgd"``, ``"fp16(powersgd)"``, ``"module.function"``."""
+        if self.comm_hook is None:
+            base = "allreduce"
+        elif isinstance(self.comm_hook, str):
+            base = self.comm_hook
+        else:
+            module = getattr(self.comm_hook, "__module__", None)
+            qualname = getattr(self.comm_hook, "__qualname__", type(self.comm_hook).__qualname__)
+            base = f"{module}.{qualname}" if module else qualname
+        return f"{self.comm_wrapper}({base})" if self.comm_wrapper else base
+
+    @property
+    def comm_hook_state(self) -> Any:
+        """The registered hook's state (e.g. the ``PowerSGDState``), once ``setup`` has built it."""
+        return self._hook_state
+
+    # ------------------------------------------------------------------------------------------ setup
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if fitting:
+            self.configure_ddp()
+            self.setup_optimizers(trainer)  # after wrapping: the module is on its device
+        else:
+            # Evaluation needs no gradient reducer, but every rank must hold rank 0's weights, as in training.
+            module = self.model
+            broadcast_from_rank0(
+                [p.detach() for p in module.parameters()] + list(module.buffers()), dist.group.WORLD
+            )
+        self._pending_hook_entry = (
+            _NOTHING_LOADED  # a checkpoint loaded for evaluation must not leak into a later fit
+        )
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def configure_ddp(self) -> None:
+        log.debug(
+            f"{type(self).__name__}: wrapping the LightningModule in lightning_ddpx.DistributedDataParallel"
+        )
+        assert isinstance(self.model, LightningModule)
+        self.model = self._setup_model(self.model)
+        self._register_ddp_hooks()
+        self._restore_hook_state()
+
+    @override
+    def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
+        return DistributedDataParallel(
+            model,
+            bucket_cap_mb=self.bucket_cap_mb,
+            first_bucket_cap_mb=self.first_bucket_cap_mb,
+            find_unused_parameters=self.find_unused_parameters,
+            broadcast_buffers=self.broadcast_buffers,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+        )
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        """Build and register the communication hook, on every device type (CPU included)."""
+        assert isinstance(self.model, DistributedDataParallel)
+        if self.comm_hook is None:
+            self._hook_state = None
+            return
+        log.debug(f"{type(self).__name__}: registering comm hook {self.hook_name}")
+        if isinstance(self.comm_hook, str):
+            state, hook = build_comm_hook(
+                self.comm_hook,
+                process_group=self.model.process_group,
+                powersgd=self.powersgd,
+                wrapper=self.comm_wrapper,
+            )
+        else:
+            state, hook = self.comm_state, self.comm_hook
+            if self.comm_wrapper is not None:
+                hook = _WRAPPERS[self.comm_wrapper](hook)
+        self.model.register_comm_hook(state, hook)
+        self._hook_state = state
+
+    # ------------------------------------------------------------------------------ forward / backward
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self.lightning_module is not None
+        if (
+            isinstance(self.model, DistributedDataParallel)
+            and not self.lightning_module.automatic_optimization
+        ):
+            # Manual optimisation calls manual_backward *inside* training_step, i.e. inside the module's
+            # forward, before the forward could arm the reducer. So the forward runs without arming, and each
+            # manual_backward arms it (pre_backward), with its own loss.
+            with self.model.no_sync():
+                return super().training_step(*args, **kwargs)
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        """In manual optimisation, make this backward synchronise unless sync is blocked."""
+        model = self.model
+        if not isinstance(model, DistributedDataParallel) or self.lightning_module is None:
+            return
+        if self.lightning_module.automatic_optimization or self._sync_blocked or not torch.is_grad_enabled():
+            return
+        # The same two calls the module's forward makes around a synchronising forward: rebuild buckets if
+        # due, then arm the reducer (finding unused parameters from the loss, if enabled).
+        model.reducer.prepare_forward(will_sync=True)
+        model.reducer.prepare_backward(closure_loss)
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        """Nothing to do: our reducer finishes each synchronised backward by itself (torch's static-graph
+        first-iteration flush that Lightning's DDPStrategy performs here does not apply)."""
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Backward passes inside accumulate gradients locally (gradient accumulation, ``toggle_model``)."""
+        if not isinstance(self.model, DistributedDataParallel):
+            yield
+            return
+        self._sync_blocked += 1
+        try:
+            with self.model.no_sync():
+                yield
+        finally:
+            self._sync_blocked -= 1
+
+    # ----------------------------------------------------------------------------------- checkpoints
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        """Add the hook state of every rank, then let rank 0 write. Called on every rank (a collective).
+
+        Weights-only checkpoints (no optimizer states) stay weights only.
+        """
+        if isinstance(self.model, DistributedDataParallel) and "optimizer_states" in checkpoint:
+            entry = checkpoint_state.gather_entry(self._hook_state, self.hook_name, self.model.process_group)
+            if entry is not None:
+                checkpoint[checkpoint_state.CHECKPOINT_KEY] = entry
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load as usual; keep the hook entry until the hook exists (``setup`` runs after loading)."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._pending_hook_entry = checkpoint.get(checkpoint_state.CHECKPOINT_KEY)
+        if isinstance(self.model, DistributedDataParallel):  # already set up: apply now
+            self._restore_hook_state()
+        return checkpoint
+
+    def _restore_hook_state(self) -> None:
+        entry, self._pending_hook_entry = self._pending_hook_entry, _NOTHING_LOADED
+        if entry is _NOTHING_LOADED:
+            return
+        stateful = checkpoint_state.is_stateful(self._hook_state)
+        restore = checkpoint_state.select_for_rank(
+            entry, self.hook_name, stateful, self.global_rank, self.world_size
+        )
+        if restore.warning:
+            rank_zero_warn(restore.warning)
+        checkpoint_state.apply_restore(self._hook_state, restore)
+
+    # -------------------------------------------------------------------------------------- teardown
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Nothing to rewrite: lightning_ddpx's errors already name the parameter and the fix
+        (Lightning's DDPStrategy rewrites one of torch's reducer messages here)."""
+
+    @override
+    def teardown(self) -> None:
+        log.debug(f"{type(self).__name__}: tearing down")
+        pl_module = self.lightning_module
+        if isinstance(self.model, DistributedDataParallel):
+            _remove_gradient_hooks(self.model)
+            self.model = pl_module  # unwrap
+        if (
+            pl_module is not None
+            and pl_module._trainer is not None
+            and pl_module._trainer.state.fn == TrainerFn.FITTING
+            and self._layer_sync
+        ):
+            self.model = self._layer_sync.revert(self.model)
+        # Skip DDPStrategy.teardown, which inspects torch's DDP; the rest of the chain is generic.
+        ParallelStrategy.teardown(self)
+
+    # ------------------------------------------------------------------------------------- registry
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        entries: tuple[tuple[str, str, dict[str, Any]], ...] = (
+            ("ddpx", "lightning_ddpx DDP, processes launched as scripts (like 'ddp')", {}),
+            (
+                "ddpx_spawn",
+                "lightning_ddpx DDP, processes spawned (like 'ddp_spawn')",
+                {"start_method": "spawn"},
+            ),
+            (
+                "ddpx_find_unused_parameters_true",
+                "lightning_ddpx DDP with find_unused_parameters=True",
+                {"find_unused_parameters": True},
+            ),
+            ("ddpx_fp16", "lightning_ddpx DDP with fp16-compressed allreduce", {"comm_hook": "fp16"}),
+            (
+                "ddpx_powersgd",
+                "lightning_ddpx DDP with PowerSGD (default options)",
+                {"comm_hook": "powersgd"},
+            ),
+        )
+        for name, description, init_params in entries:
+            # override=True: re-importing (or reloading) lightning_ddpx must not fail on its own names
+            strategy_registry.register(name, cls, description=description, override=True, **init_params)
+
+
+_NOTHING_LOADED = object()  # no checkpoint loaded since the last setup (distinct from "loaded, no entry")
+
+
+def _check_bucket_caps(bucket_cap_mb: float, first_bucket_cap_mb: float) -> None:
+    for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"DDPXStrategy: {name} must be a positive number of MiB, got {value!r}.")
+
+
+def _check_hook_arguments(comm_hook: Any, comm_state: Any, comm_wrapper: Any) -> None:
+    if comm_wrapper is not None and comm_wrapper not in _WRAPPERS:
+        raise ValueError(
+            f"DDPXStrategy: comm_wrapper must be one of {sorted(_WRAPPERS)} or None, got {comm_wrapper!r}."
+        )
+    if comm_hook is None:
+        if comm_wrapper is not None:
+            raise ValueError(
+                f"DDPXStrategy: comm_wrapper={comm_wrapper!r} wraps a hook, but comm_hook is None. For compressed "
+                f"allreduce use comm_hook={comm_wrapper!r}; to compress another hook name it, e.g. "
+                f"comm_hook='powersgd', comm_wrapper={comm_wrapper!r}."
+            )
+        if comm_state is not None:
+            raise ValueError(
+                "DDPXStrategy: comm_state is given but comm_hook is None; pass the hook it belongs to."
+            )
+        return
+    if isinstance(comm_hook, str):
+        names = sorted(available_hooks())
+        if comm_hook not in names:
+            raise ValueError(
+                f"DDPXStrategy: unknown comm_hook {comm_hook!r}. Registered names: {', '.join(names)}; or pass a "
+                "callable hook(state, bucket) -> torch.futures.Future (e.g. from torch's ddp_comm_hooks)."
+            )
+        if comm_state is not None:
+            raise ValueError(
+                f"DDPXStrategy: comm_state is for callable hooks; the named hook {comm_hook!r} builds its own state "
+                "(configure PowerSGD through powersgd=...)."
+            )
+        return
+    if not callable(comm_hook):
+        raise TypeError(
+            f"DDPXStrategy: comm_hook must be a registered name or a callable hook(state, bucket), got "
+            f"{type(comm_hook).__name__}."
+        )
+
+
+def _powersgd_options(comm_hook: Any, powersgd: Any) -> PowerSGDOptions | None:
+    """Validate ``powersgd`` now (typos in option names fail in the constructor) and return the dataclass."""
+    if powersgd is None:
+        return None
+    if comm_hook not in _POWERSGD_HOOKS:
+        raise ValueError(
+            f"DDPXStrategy: powersgd options are given but comm_hook is {comm_hook!r}; they apply to "
+            f"comm_hook in {list(_POWERSGD_HOOKS)}. Set comm_hook='powersgd' or drop powersgd=..."
+        )
+    if isinstance(powersgd, PowerSGDOptions):
+        return powersgd
+    if is_dataclass(powersgd) and not isinstance(powersgd, type):
+        powersgd = asdict(powersgd)
+    if not isinstance(powersgd, Mapping):
+        raise TypeError(
+            f"DDPXStrategy: powersgd must be a PowerSGDOptions or a dict of its fields, got {type(powersgd).__name__}."
+        )
+    known = {f.name for f in fields(PowerSGDOptions)}
+    unknown = sorted(set(powersgd) - known)
+    if unknown:
+        raise ValueError(
+            f"DDPXStrategy: unknown PowerSGD option(s) {unknown}; valid options: {sorted(known)}."
+        )
+    return PowerSGDOptions(**powersgd)
+
+
+def _remove_gradient_hooks(module: DistributedDataParallel) -> None:
+    """Detach the module's reducer from the parameters, so a later fit on the same LightningModule does not
+    keep the old reducer (and its bucket buffers) alive through the parameters' gradient hooks."""
+    for handle in getattr(module.reducer, "_handles", ()):
+        handle.remove()
+
+
+DDPXStrategy.register_strategies(StrategyRegistry)
