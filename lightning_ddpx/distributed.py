@@ -16,6 +16,7 @@ from torch import nn
 
 from lightning_ddpx.bucketing import BucketInfo, megabytes_to_bytes
 from lightning_ddpx.consistency import broadcast_from_rank0, verify_same_parameters
+from lightning_ddpx.errors import waiting_for
 from lightning_ddpx.reducer import CommHook, Phase, Reducer
 
 __all__ = ["DistributedDataParallel"]
@@ -68,8 +69,10 @@ class DistributedDataParallel(nn.Module):
 
         named = list(module.named_parameters())
         self.device = _single_device(named)
-        verify_same_parameters(named, self.process_group, self.device)
-        broadcast_from_rank0([p.detach() for _, p in named] + list(module.buffers()), self.process_group)
+        with waiting_for("every rank to describe its model (construction)", self.process_group):
+            verify_same_parameters(named, self.process_group, self.device)
+        with waiting_for("rank 0's parameters and buffers (construction)", self.process_group):
+            broadcast_from_rank0([p.detach() for _, p in named] + list(module.buffers()), self.process_group)
         trainable = [(name, p) for name, p in named if p.requires_grad]
         if not trainable:
             raise ValueError(
@@ -105,7 +108,10 @@ class DistributedDataParallel(nn.Module):
         buffers = list(self.module.buffers())
         if buffers:
             with torch.profiler.record_function("lightning_ddpx::broadcast_buffers"):
-                broadcast_from_rank0(buffers, self.process_group)
+                with waiting_for(
+                    "rank 0's buffers before forward (broadcast_buffers=True)", self.process_group
+                ):
+                    broadcast_from_rank0(buffers, self.process_group)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

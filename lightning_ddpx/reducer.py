@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from lightning_ddpx.bucketing import BucketInfo, BucketSpec, plan_buckets
+from lightning_ddpx.errors import CommunicationError, waiting_for
 from lightning_ddpx.grad_bucket import GradBucket, collectives_issued_on_call, issues_collectives_on_call
 from lightning_ddpx.graph import reachable_parameter_indices
 from lightning_ddpx.launcher import InlineLauncher, SequencedLauncher
@@ -270,7 +271,12 @@ class Reducer:
                 globally_used = self._launch_used_bitmap() if self.find_unused_parameters else None
                 started = time.perf_counter()
                 results = [self._result_of(b) for b in range(len(self.buckets))]
-                used_counts = globally_used.wait()[0] if globally_used is not None else None
+                used_counts = None
+                if globally_used is not None:
+                    with waiting_for(
+                        "the used-parameter bitmap (find_unused_parameters)", self.process_group
+                    ):
+                        used_counts = globally_used.wait()[0].tolist()
                 self.last_exposed_comm_s = time.perf_counter() - started
                 self._write_back(results, used_counts)
                 succeeded = True
@@ -287,8 +293,12 @@ class Reducer:
     def _result_of(self, b: int) -> torch.Tensor:
         future = self._futures[b]
         assert future is not None, f"bucket {b} was never launched"
+        what = f"bucket {b} (parameters {self._bucket_names(b)}) to be reduced by {_hook_name(self.hook)}"
         try:
-            value = future.wait()
+            with waiting_for(what, self.process_group):
+                value = future.wait()
+        except CommunicationError:
+            raise
         except Exception as error:
             raise RuntimeError(
                 f"lightning_ddpx: the communication hook {_hook_name(self.hook)} failed for bucket {b} "
@@ -315,13 +325,13 @@ class Reducer:
         return value
 
     @torch.no_grad()
-    def _write_back(self, results: list[torch.Tensor], used_counts: torch.Tensor | None) -> None:
+    def _write_back(self, results: list[torch.Tensor], used_counts: list[int] | None) -> None:
         for bucket, result in zip(self.buckets, results):
             if result is not bucket.buffer:
                 bucket.buffer.copy_(result)
             grads, views = [], []
             for index, param, view in zip(bucket.spec.param_indices, bucket.params, bucket.views):
-                if used_counts is not None and int(used_counts[index]) == 0:
+                if used_counts is not None and used_counts[index] == 0:
                     continue  # unused on every rank: leave its grad untouched
                 if self.gradient_as_bucket_view:
                     param.grad = view
@@ -363,7 +373,8 @@ class Reducer:
         order = torch.tensor(self._observed_order, dtype=torch.int64)
         if self.buckets[0].buffer.device.type != "cpu":
             order = order.to(self.buckets[0].buffer.device)
-        dist.broadcast(order, group=self.process_group, group_src=0)
+        with waiting_for("rank 0's gradient ready order to rebuild buckets", self.process_group):
+            dist.broadcast(order, group=self.process_group, group_src=0)
         self._install_plan(order.tolist())
         self._rebuild_pending = False
 

@@ -1,0 +1,81 @@
+"""Turn a failed or timed-out collective into an error that says what was being waited for and what to do.
+
+gloo and NCCL report a dead or stalled peer as "Connection closed by peer" or "Timed out waiting ...";
+that says nothing about which step of training was in progress. Every collective the engine waits on
+runs inside :func:`waiting_for`, which re-raises with the thing being waited for, this rank, and the
+process-group timeout with how to change it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["CommunicationError", "waiting_for", "describe_failure"]
+
+
+class CommunicationError(RuntimeError):
+    """A collective issued by lightning_ddpx failed: usually a peer rank died, stalled or diverged."""
+
+
+def process_group_timeout(process_group: dist.ProcessGroup | None) -> timedelta | None:
+    """The timeout after which a collective on ``process_group`` fails, where torch exposes it."""
+    try:
+        group = process_group if process_group is not None else dist.group.WORLD
+        backend = group._get_backend(torch.device("cpu"))
+        return backend.options._timeout
+    except Exception:  # noqa: BLE001 - best effort: backends differ in what they expose
+        return None
+
+
+def describe_failure(what: str, process_group: dist.ProcessGroup | None, error: BaseException) -> str:
+    timeout = process_group_timeout(process_group)
+    limit = f"{timeout.total_seconds():.0f} s" if timeout is not None else "the process group's timeout"
+    rank = dist.get_rank() if dist.is_initialized() else "?"
+    text = str(error)
+    if "Timed out" in text or "timed out" in text or "timeout" in text.lower():
+        cause = (
+            f"no peer answered within {limit}: another rank stalled, skipped a backward, or is much slower"
+        )
+    elif "closed by peer" in text or "Connection reset" in text or "Broken pipe" in text:
+        cause = "a peer rank exited or crashed (check its log for the first error)"
+    else:
+        cause = "the collective failed"
+    return (
+        f"lightning_ddpx (rank {rank}): {cause} while waiting for {what}. Collectives time out after {limit}; "
+        "to wait longer pass timeout=datetime.timedelta(...) to init_process_group or to DDPXStrategy. "
+        f"Underlying error: {text}"
+    )
+
+
+@contextlib.contextmanager
+def waiting_for(what: str, process_group: dist.ProcessGroup | None) -> Iterator[None]:
+    """Re-raise a failing collective inside as :class:`CommunicationError` naming ``what``."""
+    try:
+        yield
+    except CommunicationError:
+        raise
+    except RuntimeError as error:
+        if _looks_like_communication_failure(error):
+            raise CommunicationError(describe_failure(what, process_group, error)) from error
+        raise
+
+
+def _looks_like_communication_failure(error: RuntimeError) -> bool:
+    text = str(error)
+    return any(
+        marker in text
+        for marker in (
+            "gloo",
+            "Timed out",
+            "timed out",
+            "closed by peer",
+            "Connection reset",
+            "NCCL",
+            "Broken pipe",
+        )
+    )
