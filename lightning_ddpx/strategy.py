@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from dataclasses import asdict, fields, is_dataclass
 from datetime import timedelta
 from typing import Any, Callable, Generator, Literal, Mapping, Optional, Union
 
@@ -59,7 +58,8 @@ _WRAPPERS: dict[str, Callable[[CommHookFn], CommHookFn]] = {
     "fp16": fp16_compress_wrapper,
     "bf16": bf16_compress_wrapper,
 }
-_POWERSGD_HOOKS = ("powersgd", "batched_powersgd")  # the registered names that take PowerSGDOptions
+_POWERSGD_HOOKS = ("powersgd", "batched_powersgd")  # the built-in names that take PowerSGDOptions
+_OPTIONLESS_HOOKS = ("allreduce", "fp16", "bf16", "noop")  # the built-in names that take none
 
 
 class DDPXStrategy(DDPStrategy):
@@ -130,6 +130,7 @@ class DDPXStrategy(DDPStrategy):
         self.broadcast_buffers = broadcast_buffers
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self._hook_state: Any = None  # the state registered with the module (built or given)
+        self._hook_registered = False  # a module was set up with the hook: there is state worth saving
         self._pending_hook_entry: Any = _NOTHING_LOADED  # from load_checkpoint, applied once the hook exists
         self._sync_blocked = 0  # depth of block_backward_sync(); read by manual optimisation
 
@@ -203,6 +204,7 @@ class DDPXStrategy(DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         """Build and register the communication hook, on every device type (CPU included)."""
         assert isinstance(self.model, DistributedDataParallel)
+        self._hook_registered = True
         if self.comm_hook is None:
             self._hook_state = None
             return
@@ -273,12 +275,13 @@ class DDPXStrategy(DDPStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
     ) -> None:
-        """Add the hook state of every rank, then let rank 0 write. Called on every rank (a collective).
+        """Add every rank's hook state, then let rank 0 write. Lightning calls this on every rank.
 
+        Also after ``fit`` (``trainer.save_checkpoint`` once training ended): the state outlives the module.
         Weights-only checkpoints (no optimizer states) stay weights only.
         """
-        if isinstance(self.model, DistributedDataParallel) and "optimizer_states" in checkpoint:
-            entry = checkpoint_state.gather_entry(self._hook_state, self.hook_name, self.model.process_group)
+        if self._hook_registered and "optimizer_states" in checkpoint and dist.is_initialized():
+            entry = checkpoint_state.gather_entry(self._hook_state, self.hook_name, dist.group.WORLD)
             if entry is not None:
                 checkpoint[checkpoint_state.CHECKPOINT_KEY] = entry
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -402,29 +405,28 @@ def _check_hook_arguments(comm_hook: Any, comm_state: Any, comm_wrapper: Any) ->
 
 
 def _powersgd_options(comm_hook: Any, powersgd: Any) -> PowerSGDOptions | None:
-    """Validate ``powersgd`` now (typos in option names fail in the constructor) and return the dataclass."""
+    """Validate ``powersgd`` now (a typo in an option name fails in the constructor) and return the dataclass.
+
+    Parsing is the hooks package's (``PowerSGDOptions.from_dict``); this only adds the check that the options
+    go with a hook that takes them.
+    """
     if powersgd is None:
         return None
-    if comm_hook not in _POWERSGD_HOOKS:
+    if not isinstance(comm_hook, str) or comm_hook in _OPTIONLESS_HOOKS:
         raise ValueError(
-            f"DDPXStrategy: powersgd options are given but comm_hook is {comm_hook!r}; they apply to "
-            f"comm_hook in {list(_POWERSGD_HOOKS)}. Set comm_hook='powersgd' or drop powersgd=..."
+            f"DDPXStrategy: powersgd options are given but comm_hook is {comm_hook!r}, which takes none. "
+            f"Set comm_hook to one of {list(_POWERSGD_HOOKS)} or drop powersgd=..."
         )
     if isinstance(powersgd, PowerSGDOptions):
         return powersgd
-    if is_dataclass(powersgd) and not isinstance(powersgd, type):
-        powersgd = asdict(powersgd)
-    if not isinstance(powersgd, Mapping):
-        raise TypeError(
-            f"DDPXStrategy: powersgd must be a PowerSGDOptions or a dict of its fields, got {type(powersgd).__name__}."
-        )
-    known = {f.name for f in fields(PowerSGDOptions)}
-    unknown = sorted(set(powersgd) - known)
-    if unknown:
-        raise ValueError(
-            f"DDPXStrategy: unknown PowerSGD option(s) {unknown}; valid options: {sorted(known)}."
-        )
-    return PowerSGDOptions(**powersgd)
+    if isinstance(powersgd, Mapping):
+        try:
+            return PowerSGDOptions.from_dict(dict(powersgd))
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"DDPXStrategy: powersgd={dict(powersgd)!r}: {error}") from None
+    raise TypeError(
+        f"DDPXStrategy: powersgd must be a PowerSGDOptions or a dict of its fields, got {type(powersgd).__name__}."
+    )
 
 
 def _remove_gradient_hooks(module: DistributedDataParallel) -> None:
