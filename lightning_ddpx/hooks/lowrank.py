@@ -1,0 +1,91 @@
+"""The linear algebra of PowerSGD, as pure functions: which matrices are worth compressing, and
+orthogonalisation of a batch of thin matrices.
+
+No process group here, so every rule can be tested in one process. The choices mirror torch's
+``powerSGD_hook`` (Gram-Schmidt up to rank 2 and in half precision, Householder QR above) so that our
+hooks reproduce its numbers; see ``docs/hooks.md``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["effective_rank", "matrix_shape", "orthogonalize_", "should_compress", "square_side"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def matrix_shape(shape: tuple[int, ...] | torch.Size) -> tuple[int, int]:
+    """The matrix a gradient of ``shape`` is compressed as: first dimension by the rest.
+
+    A conv weight ``(out, in, kh, kw)`` becomes ``(out, in * kh * kw)``, a bias ``(n,)`` becomes ``(n, 1)``
+    and a scalar ``(1, 1)``, as in the PowerSGD paper and torch's hook.
+    """
+    if len(shape) == 0:
+        return 1, 1
+    rows = int(shape[0])
+    numel = math.prod(int(d) for d in shape)
+    return rows, (numel // rows if rows else 0)
+
+
+def effective_rank(rows: int, cols: int, rank: int) -> int:
+    """The approximation rank actually usable for a ``rows x cols`` matrix: at most ``min(rows, cols)``."""
+    return min(rows, cols, rank)
+
+
+def should_compress(rows: int, cols: int, rank: int, min_compression_rate: float) -> bool:
+    """Whether sending P (rows x rank) and Q (cols x rank) saves at least ``min_compression_rate`` x.
+
+    ``rank`` is the effective rank. The test is torch's: ``(rows + cols) * rank * min_compression_rate <
+    rows * cols``. Vectors never pass it for a rate of 1 or more, so biases always travel uncompressed.
+    """
+    return (rows + cols) * rank * min_compression_rate < rows * cols
+
+
+def square_side(numel: int) -> int:
+    """Side of the smallest square holding ``numel`` elements (batched PowerSGD pads to it with zeros)."""
+    side = math.isqrt(numel)
+    return side if side * side == numel else side + 1
+
+
+def orthogonalize_(matrices: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
+    """Make the columns of each matrix in a ``(batch, rows, rank)`` tensor orthonormal, in place.
+
+    Gram-Schmidt for rank <= 2 or half precision (QR has no half-precision kernel, and for one or two
+    columns a few batched vector ops beat a LAPACK call); reduced Householder QR otherwise, which stays
+    accurate when the columns are nearly dependent. ``epsilon`` is added to each column norm before
+    dividing; with ``epsilon == 0`` an all-zero column stays zero instead of becoming NaN.
+    """
+    if matrices.dim() != 3 or matrices.shape[2] > matrices.shape[1]:
+        raise ValueError(
+            f"orthogonalize_ expects a (batch, rows, rank) tensor with rank <= rows, got shape "
+            f"{tuple(matrices.shape)}; cap the rank with effective_rank(rows, cols, rank)."
+        )
+    rank = matrices.shape[2]
+    if rank <= 2 or matrices.dtype in _HALF:
+        _gram_schmidt_(matrices, epsilon)
+    else:
+        q, _ = torch.linalg.qr(matrices, mode="reduced")
+        matrices.copy_(q)
+    return matrices
+
+
+def _gram_schmidt_(matrices: torch.Tensor, epsilon: float) -> None:
+    """Modified Gram-Schmidt over the columns of a batch of matrices, in place."""
+    rank = matrices.shape[2]
+    tiny = torch.finfo(matrices.dtype).tiny
+    for i in range(rank):
+        column = matrices[:, :, i : i + 1]
+        norm = torch.linalg.vector_norm(column, dim=1, keepdim=True)
+        if epsilon == 0:
+            # Only a column of zeros has a norm below `tiny`; dividing it by `tiny` leaves it zero.
+            norm.clamp_min_(tiny)
+        else:
+            norm.add_(epsilon)
+        column.div_(norm)
+        if i + 1 < rank:
+            rest = matrices[:, :, i + 1 :]
+            projections = (column * rest).sum(dim=1, keepdim=True)  # (batch, 1, rank - i - 1)
+            rest.addcmul_(column, projections, value=-1)
