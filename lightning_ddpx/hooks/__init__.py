@@ -1,0 +1,33 @@
+"""Communication hooks for :class:`lightning_ddpx.DistributedDataParallel` (and torch's DDP).
+
+See ``docs/hooks.md`` for what each hook does and when to use it.
+"""
+
+from lightning_ddpx.hooks.default import (
+    allreduce_hook,
+    bf16_compress_hook,
+    bf16_compress_wrapper,
+    fp16_compress_hook,
+    fp16_compress_wrapper,
+    noop_hook,
+)
+from lightning_ddpx.hooks.powersgd import batched_powersgd_hook, powersgd_hook
+from lightning_ddpx.hooks.powersgd_state import CompressionStats, PowerSGDOptions, PowerSGDState
+from lightning_ddpx.hooks.registry import available_hooks, build_comm_hook, register_hook_name
+
+__all__ = [
+    "CompressionStats",
+    "PowerSGDOptions",
+    "PowerSGDState",
+    "allreduce_hook",
+    "available_hooks",
+    "batched_powersgd_hook",
+    "bf16_compress_hook",
+    "bf16_compress_wrapper",
+    "build_comm_hook",
+    "fp16_compress_hook",
+    "fp16_compress_wrapper",
+    "noop_hook",
+    "powersgd_hook",
+    "register_hook_name",
+]
