@@ -3,6 +3,13 @@
 from lightning_ddpx.bucketing import BucketInfo
 from lightning_ddpx.distributed import DistributedDataParallel
 from lightning_ddpx.grad_bucket import GradBucket, collectives_issued_on_call
+from lightning_ddpx.strategy import DDPXStrategy  # registers "ddpx", "ddpx_powersgd", ... with Lightning
 
-__all__ = ["BucketInfo", "DistributedDataParallel", "GradBucket", "collectives_issued_on_call"]
+__all__ = [
+    "BucketInfo",
+    "DDPXStrategy",
+    "DistributedDataParallel",
+    "GradBucket",
+    "collectives_issued_on_call",
+]
 __version__ = "0.1.0"

@@ -25,7 +25,7 @@ EPOCH_STEPS = 8  # 64 samples / 2 ranks / batch 4
 
 
 def powersgd_strategy():
-    from lightning_ddpx.strategy import DDPXStrategy
+    from lightning_ddpx import DDPXStrategy
 
     return DDPXStrategy(comm_hook="powersgd", powersgd=POWERSGD)
 
@@ -39,7 +39,7 @@ def fit_recording_warnings(*args, **kwargs):
 
 def resume_job(rank: int, world_size: int, directory: str) -> dict:
     quiet()
-    from lightning_ddpx.strategy import DDPXStrategy
+    from lightning_ddpx import DDPXStrategy
 
     out: dict = {}
     # Reference: 2 epochs without interruption.

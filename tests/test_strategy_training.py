@@ -32,7 +32,7 @@ STEPS = 4
 def train_everything(rank: int, world_size: int) -> dict:
     quiet()
     from lightning_ddpx import DistributedDataParallel
-    from lightning_ddpx.strategy import DDPXStrategy
+    from lightning_ddpx import DDPXStrategy
 
     out: dict = {}
     # Drop-in: the same unmodified module with "ddp" and "ddpx".
