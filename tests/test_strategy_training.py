@@ -31,8 +31,7 @@ STEPS = 4
 
 def train_everything(rank: int, world_size: int) -> dict:
     quiet()
-    from lightning_ddpx import DistributedDataParallel
-    from lightning_ddpx import DDPXStrategy
+    from lightning_ddpx import DDPXStrategy, DistributedDataParallel
 
     out: dict = {}
     # Drop-in: the same unmodified module with "ddp" and "ddpx".

@@ -13,10 +13,9 @@ import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
-from lightning_ddpx import checkpoint_state
+from lightning_ddpx import DDPXStrategy, checkpoint_state
 from lightning_ddpx.checkpoint_state import Restore, check_plain, select_for_rank
 from lightning_ddpx.hooks import PowerSGDOptions
-from lightning_ddpx import DDPXStrategy
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
