@@ -416,5 +416,11 @@ def test_layout_change_resets_memory_with_a_warning(one_rank_group) -> None:
     saved = state.state_dict()
     fresh = PowerSGDState(None, start_powerSGD_iter=2)
     fresh.load_state_dict(saved)
-    with pytest.warns(UserWarning, match="layout changed"):
+    with pytest.warns(UserWarning, match="another bucket layout"):
         run_step(fresh, powersgd_hook, make_buckets(3, [SHAPES[:3]]))
+    # Same size, same number of tensors, different order (what a bucket rebuild does): also detected.
+    state = PowerSGDState(None, start_powerSGD_iter=2)
+    for step in range(3):
+        run_step(state, powersgd_hook, make_buckets(step, [[(24, 12), (24,), (12, 24)]]))
+    with pytest.warns(UserWarning, match="another bucket layout"):
+        run_step(state, powersgd_hook, make_buckets(3, [[(12, 24), (24,), (24, 12)]]))

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ddpx.grad_bucket import GradBucket, collectives_issued_on_call, issues_collectives_on_call
-from lightning_ddpx.hooks.layout import TensorSlot, bucket_layout, segment_sizes
+from lightning_ddpx.hooks.layout import TensorSlot, bucket_key, bucket_layout, segment_sizes
 
 __all__ = [
     "CommHook",
@@ -128,9 +128,10 @@ def _recast_bucket(bucket: Any, buffer: torch.Tensor, layouts: dict) -> GradBuck
     """A bucket like ``bucket`` whose buffer is ``buffer`` and whose gradients are views into it.
 
     Built afresh rather than with ``set_buffer``, whose effect on ``gradients()`` differs between our
-    bucket (unchanged views) and torch's (views into the new buffer). The layout is read once per bucket.
+    bucket (unchanged views) and torch's (views into the new buffer). The layout is read again only when
+    the bucket's key changes (e.g. when buckets are rebuilt after the first iteration).
     """
-    key = (buffer.numel(), len(bucket.parameters()))
+    key = bucket_key(bucket)
     cached = layouts.get(bucket.index())
     if cached is None or cached[0] != key:
         slots = bucket_layout(bucket)

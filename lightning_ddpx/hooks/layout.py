@@ -16,7 +16,16 @@ from typing import Any, Sequence
 
 from lightning_ddpx.hooks.lowrank import effective_rank, matrix_shape, should_compress
 
-__all__ = ["TensorSlot", "MatrixGroup", "PowerSGDPlan", "bucket_layout", "plan_powersgd", "segment_sizes"]
+__all__ = [
+    "MatrixGroup",
+    "PowerSGDPlan",
+    "TensorSlot",
+    "bucket_key",
+    "bucket_layout",
+    "layout_signature",
+    "plan_powersgd",
+    "segment_sizes",
+]
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,25 @@ class PowerSGDPlan:
     def compressed(self) -> tuple[int, ...]:
         """Slot indices of compressed gradients, in packed order."""
         return tuple(i for group in self.groups for i in group.members)
+
+
+def bucket_key(bucket: Any) -> tuple:
+    """What identifies a bucket's layout, cheaply enough to check every step.
+
+    Size and dtype alone miss a rebuild that reorders the same parameters (torch's DDP and ours both
+    rebuild buckets after the first iteration), so the identities of the parameters, in order, are part
+    of the key.
+    """
+    buffer = bucket.buffer()
+    return buffer.numel(), buffer.dtype, buffer.device, tuple(map(id, bucket.parameters()))
+
+
+def layout_signature(slots: Sequence[TensorSlot]) -> tuple[int, ...]:
+    """A flat tuple of ints describing a layout (offset, ndim, *shape per gradient), for checkpoints.
+
+    PowerSGD memory saved for one layout must not be applied to another one of the same size.
+    """
+    return tuple(v for slot in slots for v in (slot.offset, len(slot.shape), *slot.shape))
 
 
 def bucket_layout(bucket: Any) -> tuple[TensorSlot, ...]:

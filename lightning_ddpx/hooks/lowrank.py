@@ -56,7 +56,8 @@ def orthogonalize_(matrices: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor
     Gram-Schmidt for rank <= 2 or half precision (QR has no half-precision kernel, and for one or two
     columns a few batched vector ops beat a LAPACK call); reduced Householder QR otherwise, which stays
     accurate when the columns are nearly dependent. ``epsilon`` is added to each column norm before
-    dividing; with ``epsilon == 0`` an all-zero column stays zero instead of becoming NaN.
+    dividing; with ``epsilon == 0`` an all-zero column stays zero instead of becoming NaN (torch's hook
+    returns NaN there), and every other column is divided by its exact norm.
     """
     if matrices.dim() != 3 or matrices.shape[2] > matrices.shape[1]:
         raise ValueError(
@@ -75,13 +76,14 @@ def orthogonalize_(matrices: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor
 def _gram_schmidt_(matrices: torch.Tensor, epsilon: float) -> None:
     """Modified Gram-Schmidt over the columns of a batch of matrices, in place."""
     rank = matrices.shape[2]
-    tiny = torch.finfo(matrices.dtype).tiny
+    info = torch.finfo(matrices.dtype)
+    smallest = info.tiny * info.eps  # the smallest subnormal: any nonzero norm is at least this
     for i in range(rank):
         column = matrices[:, :, i : i + 1]
         norm = torch.linalg.vector_norm(column, dim=1, keepdim=True)
         if epsilon == 0:
-            # Only a column of zeros has a norm below `tiny`; dividing it by `tiny` leaves it zero.
-            norm.clamp_min_(tiny)
+            # Only a zero column has a norm below `smallest`; dividing it by `smallest` leaves it zero.
+            norm.clamp_min_(smallest)
         else:
             norm.add_(epsilon)
         column.div_(norm)

@@ -29,7 +29,14 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from lightning_ddpx.hooks.default import first_value
-from lightning_ddpx.hooks.layout import PowerSGDPlan, bucket_layout, plan_powersgd, segment_sizes
+from lightning_ddpx.hooks.layout import (
+    PowerSGDPlan,
+    bucket_key,
+    bucket_layout,
+    layout_signature,
+    plan_powersgd,
+    segment_sizes,
+)
 from lightning_ddpx.hooks.lowrank import orthogonalize_, square_side
 from lightning_ddpx.hooks.powersgd_state import PowerSGDState
 
@@ -107,23 +114,40 @@ def _draw_q(state: PowerSGDState, q: torch.Tensor, draw_sizes: tuple[int, ...]) 
         q.copy_(target)
 
 
-def _adopt(
-    memory: dict[int, torch.Tensor], index: int, numel: int, like: torch.Tensor, what: str
+def _claim_memory(state: PowerSGDState, index: int, signature: tuple[int, ...]) -> None:
+    """Tie bucket ``index``'s memory to the layout ``signature``; memory of another layout is dropped.
+
+    Error feedback and warm-start Q are per gradient position, so applying them to a bucket whose layout
+    changed (buckets rebuilt, a different model, a checkpoint from another configuration) would add one
+    tensor's error to another. Memory of the same layout (e.g. just loaded from a checkpoint) is kept.
+    """
+    shared = state.shared
+    if shared.layout.get(index) == signature:
+        return
+    if index in shared.q or index in state.per_rank.error:
+        warnings.warn(
+            f"PowerSGD memory for bucket {index} was built for another bucket layout (the buckets changed "
+            "since it was saved or created); its error feedback and warm-start Q are reset.",
+            stacklevel=4,
+        )
+    shared.q.pop(index, None)
+    state.per_rank.error.pop(index, None)
+    shared.layout[index] = signature
+
+
+def _memory(
+    store: dict[int, torch.Tensor], index: int, numel: int, like: torch.Tensor
 ) -> torch.Tensor | None:
-    """The saved tensor for bucket ``index`` if it fits this bucket, else None (warning if one was saved)."""
-    saved = memory.get(index)
+    """This bucket's saved tensor moved to the bucket's device and dtype, or None if there is none."""
+    saved = store.get(index)
     if saved is None:
         return None
     if saved.numel() != numel:
-        warnings.warn(
-            f"PowerSGD {what} memory for bucket {index} has {saved.numel()} elements but the bucket now needs "
-            f"{numel} (the bucket layout changed since it was saved); it is reset.",
-            stacklevel=4,
+        raise RuntimeError(
+            f"PowerSGD memory for bucket {index} has {saved.numel()} elements where its layout needs {numel}; "
+            "the state_dict was edited or comes from another version. Start from a fresh PowerSGDState."
         )
-        del memory[index]
-        return None
-    adopted = saved.to(device=like.device, dtype=like.dtype).reshape(numel)
-    memory[index] = adopted
+    store[index] = adopted = saved.to(device=like.device, dtype=like.dtype).reshape(numel)
     return adopted
 
 
@@ -133,7 +157,7 @@ class _TensorwiseRuntime:
     def __init__(self, state: PowerSGDState, bucket: Any) -> None:
         buffer = bucket.buffer()
         options = state.options
-        self.key = _bucket_key(bucket)
+        self.key = bucket_key(bucket)
         self.index = bucket.index()
         self.plan: PowerSGDPlan = plan_powersgd(
             buffer.numel(), bucket_layout(bucket), options.matrix_approximation_rank,
@@ -149,13 +173,14 @@ class _TensorwiseRuntime:
         self.round_one = torch.empty(plan.p_numel + plan.uncompressed_numel, **new)
         self.p = self.round_one[: plan.p_numel]
         self.uncompressed_packed = self.round_one[plan.p_numel :]
-        q = _adopt(state.shared.q, self.index, plan.q_numel, buffer, "warm-start Q")
+        _claim_memory(state, self.index, layout_signature(plan.slots))
+        q = _memory(state.shared.q, self.index, plan.q_numel, buffer)
         self.q = q if q is not None else torch.empty(plan.q_numel, **new)
         self.q_ready = q is not None  # False until the first random draw has filled it
         # X, the matrices to compress: the error buffer itself with error feedback, else a work buffer.
         error = None
         if options.use_error_feedback:
-            error = _adopt(state.per_rank.error, self.index, plan.packed_numel, buffer, "error-feedback")
+            error = _memory(state.per_rank.error, self.index, plan.packed_numel, buffer)
             if error is None:
                 error = torch.zeros(plan.packed_numel, **new)
             state.per_rank.error[self.index] = error
@@ -180,7 +205,7 @@ class _TensorwiseRuntime:
         self._views_for: int | None = None
 
     def fits(self, bucket: Any) -> bool:
-        return self.key == _bucket_key(bucket)
+        return self.key == bucket_key(bucket)
 
     def _bind(self, buffer: torch.Tensor) -> None:
         """Views into the bucket buffer; rebuilt only when the engine hands over a different buffer."""
@@ -243,7 +268,7 @@ class _SquareRuntime:
     def __init__(self, state: PowerSGDState, bucket: Any) -> None:
         buffer = bucket.buffer()
         options = state.options
-        self.key = _bucket_key(bucket)
+        self.key = bucket_key(bucket)
         self.index = bucket.index()
         self.numel = numel = buffer.numel()
         self.side = side = square_side(numel)
@@ -252,13 +277,14 @@ class _SquareRuntime:
         self.world_size = dist.get_world_size(state.process_group)
         new = dict(dtype=buffer.dtype, device=buffer.device)
         self.full_rows = numel // side  # rows of the square lying wholly inside the bucket
-        q = _adopt(state.shared.q, self.index, side * rank, buffer, "warm-start Q")
+        _claim_memory(state, self.index, (-1, numel))  # -1: a square layout, never a tensorwise one
+        q = _memory(state.shared.q, self.index, side * rank, buffer)
         self.q_ready = q is not None
         self.q = (q if q is not None else torch.empty(side * rank, **new)).view(1, side, rank)
         self.p = torch.empty(side * rank, **new).view(1, side, rank)
         error = None
         if options.use_error_feedback:
-            error = _adopt(state.per_rank.error, self.index, side * side, buffer, "error-feedback")
+            error = _memory(state.per_rank.error, self.index, side * side, buffer)
             if error is None:
                 error = torch.zeros(side * side, **new)
             state.per_rank.error[self.index] = error
@@ -268,7 +294,7 @@ class _SquareRuntime:
         self.tail = torch.empty((side - self.full_rows) * side, **new)  # P Q^T rows past the bucket's end
 
     def fits(self, bucket: Any) -> bool:
-        return self.key == _bucket_key(bucket)
+        return self.key == bucket_key(bucket)
 
     def step(self, state: PowerSGDState, buffer: torch.Tensor) -> None:
         options, group, numel, side = state.options, state.process_group, self.numel, self.side
@@ -302,9 +328,3 @@ class _SquareRuntime:
             self.x[:numel].sub_(buffer)
             if k < side:
                 self.x[numel:].sub_(self.tail[numel - k * side :])
-
-
-def _bucket_key(bucket: Any) -> tuple:
-    """What must not change for a bucket's plan to stay valid (checked every step, so cheap)."""
-    buffer = bucket.buffer()
-    return buffer.numel(), buffer.dtype, buffer.device, len(bucket.parameters())

@@ -148,6 +148,7 @@ class SharedMemory:
     iteration: int = 0  # steps completed (moves once per step, at the last bucket)
     rng: np.random.RandomState = field(default_factory=np.random.RandomState)  # draws the Q seeds
     q: dict[int, torch.Tensor] = field(default_factory=dict)  # warm-start Q per bucket, after averaging
+    layout: dict[int, tuple[int, ...]] = field(default_factory=dict)  # which bucket layout the memory is for
     numel_before: int = 0
     numel_after: int = 0
     per_bucket: dict[int, tuple[int, int]] = field(default_factory=dict)
@@ -170,11 +171,12 @@ class PowerSGDState:
 
     ``state_dict()`` layout (tensors and plain values only)::
 
-        {"shared":   {"version", "options", "iteration", "rng_state", "rng_gauss", "q", "stats"},
+        {"shared":   {"version", "options", "iteration", "rng_state", "rng_gauss", "q", "layout", "stats"},
          "per_rank": {"error"}}
 
     ``shared`` is equal on every rank (iteration, seed generator state as an int64 tensor, warm-start Q
-    per bucket, statistics); ``per_rank`` is this rank's error feedback per bucket. A strategy saves
+    per bucket, the bucket layouts that memory belongs to, statistics); ``per_rank`` is this rank's error
+    feedback per bucket. A strategy saves
     ``shared`` once and every rank's ``per_rank``; restoring both continues training bit for bit.
     """
 
@@ -282,6 +284,7 @@ class PowerSGDState:
                 "rng_state": rng_state,
                 "rng_gauss": float(gauss),
                 "q": {index: q.detach().clone() for index, q in shared.q.items()},
+                "layout": {index: list(signature) for index, signature in shared.layout.items()},
                 "stats": {
                     "numel_before": shared.numel_before,
                     "numel_after": shared.numel_after,
@@ -330,6 +333,9 @@ class PowerSGDState:
             iteration=int(shared_in["iteration"]),
             rng=rng,
             q={int(i): q.detach().clone() for i, q in shared_in["q"].items()} if keep_memory else {},
+            layout={int(i): tuple(int(v) for v in sig) for i, sig in shared_in["layout"].items()}
+            if keep_memory
+            else {},
             numel_before=int(stats["numel_before"]),
             numel_after=int(stats["numel_after"]),
             per_bucket={int(i): (int(c[0]), int(c[1])) for i, c in stats["per_bucket"].items()},
