@@ -14,6 +14,7 @@ and cluster environments stay Lightning's (we subclass ``DDPStrategy`` for them)
 
 from __future__ import annotations
 
+import importlib
 import logging
 from contextlib import contextmanager
 from datetime import timedelta
@@ -52,7 +53,7 @@ __all__ = ["DDPXStrategy"]
 
 log = logging.getLogger(__name__)
 
-CommHookFn = Callable[..., Any]  # hook(state, bucket: GradBucket) -> torch.futures.Future[Tensor]
+CommHookFn = Callable[[Any, Any], Any]  # hook(state, bucket: GradBucket) -> torch.futures.Future[Tensor]
 
 _WRAPPERS: dict[str, Callable[[CommHookFn], CommHookFn]] = {
     "fp16": fp16_compress_wrapper,
@@ -91,7 +92,7 @@ class DDPXStrategy(DDPStrategy):
         cluster_environment: Optional[ClusterEnvironment] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
-        comm_hook: Optional[Union[CommHookFn, str]] = None,
+        comm_hook: Optional[Union[str, CommHookFn]] = None,
         comm_state: Optional[Any] = None,
         comm_wrapper: Optional[Literal["fp16", "bf16"]] = None,
         powersgd: Optional[Union[PowerSGDOptions, dict[str, Any]]] = None,
@@ -106,6 +107,7 @@ class DDPXStrategy(DDPStrategy):
     ) -> None:
         # Validate everything before Lightning sees the strategy: a typo fails at once, not after launch.
         _check_bucket_caps(bucket_cap_mb, first_bucket_cap_mb)
+        comm_hook = _resolve_comm_hook(comm_hook)
         _check_hook_arguments(comm_hook, comm_state, comm_wrapper)
         super().__init__(
             accelerator=accelerator,
@@ -384,13 +386,7 @@ def _check_hook_arguments(comm_hook: Any, comm_state: Any, comm_wrapper: Any) ->
                 "DDPXStrategy: comm_state is given but comm_hook is None; pass the hook it belongs to."
             )
         return
-    if isinstance(comm_hook, str):
-        names = sorted(available_hooks())
-        if comm_hook not in names:
-            raise ValueError(
-                f"DDPXStrategy: unknown comm_hook {comm_hook!r}. Registered names: {', '.join(names)}; or pass a "
-                "callable hook(state, bucket) -> torch.futures.Future (e.g. from torch's ddp_comm_hooks)."
-            )
+    if isinstance(comm_hook, str):  # a registered name (_resolve_comm_hook imported anything else)
         if comm_state is not None:
             raise ValueError(
                 f"DDPXStrategy: comm_state is for callable hooks; the named hook {comm_hook!r} builds its own state "
@@ -402,6 +398,34 @@ def _check_hook_arguments(comm_hook: Any, comm_state: Any, comm_wrapper: Any) ->
             f"DDPXStrategy: comm_hook must be a registered name or a callable hook(state, bucket), got "
             f"{type(comm_hook).__name__}."
         )
+
+
+def _resolve_comm_hook(comm_hook: Any) -> Any:
+    """A registered name stays a name; any other string is imported as ``package.module.function``.
+
+    Strings are how YAML and command lines name hooks: ``comm_hook: powersgd`` or
+    ``comm_hook: torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook``.
+    """
+    if not isinstance(comm_hook, str):
+        return comm_hook
+    names = available_hooks()
+    if comm_hook in names:
+        return comm_hook
+    unknown = (
+        f"DDPXStrategy: unknown comm_hook {comm_hook!r}. Registered names: {', '.join(names)}; or the import "
+        "path of a hook(state, bucket) -> torch.futures.Future (e.g. "
+        "'torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook'), or the callable itself."
+    )
+    module_name, _, attribute = comm_hook.rpartition(".")
+    if not module_name:
+        raise ValueError(unknown)
+    try:
+        hook = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"{unknown} Importing it failed: {error}") from None
+    if not callable(hook):
+        raise ValueError(f"{unknown} {comm_hook!r} is a {type(hook).__name__}, not a callable.")
+    return hook
 
 
 def _powersgd_options(comm_hook: Any, powersgd: Any) -> PowerSGDOptions | None:

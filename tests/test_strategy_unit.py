@@ -77,6 +77,17 @@ def test_bad_arguments_fail_in_the_constructor(arguments, error, match):
         DDPXStrategy(**arguments)
 
 
+def test_a_string_that_is_not_a_registered_name_is_imported():
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    path = "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook"
+    assert DDPXStrategy(comm_hook=path).comm_hook is default_hooks.fp16_compress_hook
+    with pytest.raises(ValueError, match=r"unknown comm_hook 'no_such.hook'.*Importing it failed"):
+        DDPXStrategy(comm_hook="no_such.hook")
+    with pytest.raises(ValueError, match="is a int, not a callable"):
+        DDPXStrategy(comm_hook="lightning_ddpx.checkpoint_state.FORMAT_VERSION")
+
+
 def test_powersgd_options_as_dict_or_dataclass():
     from_dict = DDPXStrategy(comm_hook="powersgd", powersgd={"matrix_approximation_rank": 4})
     assert from_dict.powersgd == PowerSGDOptions(matrix_approximation_rank=4)

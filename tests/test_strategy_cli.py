@@ -1,0 +1,94 @@
+"""LightningCLI: the example script trains on 2 processes from a YAML file and from command-line flags, and
+every shipped config parses into the strategy it describes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = REPO_ROOT / "examples" / "cli_train.py"
+CONFIGS = sorted((REPO_ROOT / "examples" / "configs").glob("*.yaml"))
+SHORT = ["--trainer.max_steps=6", "--trainer.limit_val_batches=1", "--trainer.enable_model_summary=false"]
+
+
+def run_cli(arguments: list[str], root: Path) -> Path:
+    """Run ``cli_train.py fit`` (Lightning starts the second process) and return its checkpoint."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")
+    }
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    command = [sys.executable, str(SCRIPT), "fit", *arguments, *SHORT, f"--trainer.default_root_dir={root}"]
+    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, f"{' '.join(command)}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
+    (checkpoint,) = root.glob("lightning_logs/version_0/checkpoints/*.ckpt")
+    return checkpoint
+
+
+def hook_entry(checkpoint: Path) -> dict:
+    return torch.load(checkpoint, weights_only=True)["lightning_ddpx"]
+
+
+@pytest.mark.slow
+def test_yaml_config_trains_on_two_processes(tmp_path):
+    config = REPO_ROOT / "examples" / "configs" / "powersgd.yaml"
+    checkpoint = run_cli(
+        ["--config", str(config), "--trainer.strategy.powersgd.start_powerSGD_iter=2"], tmp_path
+    )
+    entry = hook_entry(checkpoint)
+    assert entry["hook"] == "powersgd" and entry["world_size"] == 2 and len(entry["per_rank"]) == 2
+    assert entry["shared"]["options"]["matrix_approximation_rank"] == 4  # from the YAML file
+    assert entry["shared"]["iteration"] == 6
+    saved = (tmp_path / "lightning_logs" / "version_0" / "config.yaml").read_text()
+    assert "class_path: lightning_ddpx.DDPXStrategy" in saved and "comm_hook: powersgd" in saved
+
+
+@pytest.mark.slow
+def test_command_line_flags_train_on_two_processes(tmp_path):
+    flags = [
+        "--trainer.accelerator=cpu",
+        "--trainer.devices=2",
+        "--trainer.strategy=lightning_ddpx.DDPXStrategy",
+        "--trainer.strategy.comm_hook=powersgd",
+        "--trainer.strategy.powersgd.matrix_approximation_rank=4",
+        "--trainer.strategy.powersgd.start_powerSGD_iter=2",
+    ]
+    entry = hook_entry(run_cli(flags, tmp_path))
+    assert entry["hook"] == "powersgd" and len(entry["per_rank"]) == 2
+    assert entry["shared"]["options"]["matrix_approximation_rank"] == 4
+
+
+@pytest.fixture(scope="module")
+def cli_train():
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import cli_train
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    return cli_train
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
+def test_every_shipped_config_builds_its_strategy(config, cli_train, monkeypatch):
+    from lightning.pytorch.cli import LightningCLI
+
+    from lightning_ddpx import DDPXStrategy
+
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT)])  # pytest's own arguments are not the CLI's
+    cli = LightningCLI(
+        cli_train.DigitsClassifier,
+        cli_train.DigitsDataModule,
+        run=False,
+        args=["--config", str(config)],
+        save_config_callback=None,
+    )
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, DDPXStrategy)
+    assert strategy.hook_name == {"fp16_powersgd": "fp16(powersgd)"}.get(config.stem, config.stem)
+    if "powersgd" in config.stem:
+        assert strategy.powersgd.matrix_approximation_rank == 4
