@@ -92,3 +92,30 @@ def test_every_shipped_config_builds_its_strategy(config, cli_train, monkeypatch
     assert strategy.hook_name == {"fp16_powersgd": "fp16(powersgd)"}.get(config.stem, config.stem)
     if "powersgd" in config.stem:
         assert strategy.powersgd.matrix_approximation_rank == 4
+
+
+@pytest.mark.slow
+def test_lightning_demo_trains_checkpoints_and_resumes(tmp_path):
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")
+    }
+    env.update(OMP_NUM_THREADS="1")
+    command = [
+        sys.executable,
+        str(REPO_ROOT / "examples" / "lightning_demo.py"),
+        "--epochs=1",
+        "--resume-epochs=1",
+    ]
+    done = subprocess.run(
+        [*command, f"--workdir={tmp_path}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, f"--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
+    assert "per rank 1: error feedback of" in done.stdout
+    assert "hook state restored at PowerSGD step 22" in done.stdout
+    assert "parameters identical on both processes: yes" in done.stdout
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["phase1.ckpt", "phase2.ckpt"]
