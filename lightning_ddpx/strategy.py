@@ -70,9 +70,9 @@ class DDPXStrategy(DDPStrategy):
 
     Args:
         comm_hook: a registered hook name (``allreduce``, ``fp16``, ``bf16``, ``powersgd``,
-            ``batched_powersgd``, ``noop``; see ``lightning_ddpx.hooks.available_hooks()``) or a callable
-            ``hook(state, bucket) -> Future[Tensor]`` such as torch's ``ddp_comm_hooks``. ``None``: plain
-            mean allreduce, bit for bit torch's default.
+            ``batched_powersgd``, ``noop``; see ``lightning_ddpx.hooks.available_hooks()``), a callable
+            ``hook(state, bucket) -> Future[Tensor]`` such as torch's ``ddp_comm_hooks``, or its import path
+            as a string (how YAML names one). ``None``: plain mean allreduce, bit for bit torch's default.
         comm_state: the state passed to a callable ``comm_hook`` (e.g. a process group, or an object with
             ``state_dict()``/``load_state_dict()`` to be checkpointed). Named hooks build their own.
         comm_wrapper: ``"fp16"`` or ``"bf16"`` to compress buckets before the hook and decompress after
@@ -109,6 +109,7 @@ class DDPXStrategy(DDPStrategy):
         _check_bucket_caps(bucket_cap_mb, first_bucket_cap_mb)
         comm_hook = _resolve_comm_hook(comm_hook)
         _check_hook_arguments(comm_hook, comm_state, comm_wrapper)
+        powersgd_options = _powersgd_options(comm_hook, powersgd)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -125,7 +126,7 @@ class DDPXStrategy(DDPStrategy):
         self.comm_hook = comm_hook
         self.comm_state = comm_state
         self.comm_wrapper = comm_wrapper
-        self.powersgd = _powersgd_options(comm_hook, powersgd)
+        self.powersgd = powersgd_options
         self.bucket_cap_mb = float(bucket_cap_mb)
         self.first_bucket_cap_mb = float(first_bucket_cap_mb)
         self.find_unused_parameters = find_unused_parameters
@@ -133,7 +134,10 @@ class DDPXStrategy(DDPStrategy):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self._hook_state: Any = None  # the state registered with the module (built or given)
         self._hook_registered = False  # a module was set up with the hook: there is state worth saving
-        self._pending_hook_entry: Any = _NOTHING_LOADED  # from load_checkpoint, applied once the hook exists
+        # (entry,) once load_checkpoint ran -- entry is None for a checkpoint without hook state -- until the
+        # hook exists; None when no checkpoint was loaded since the last setup. A tuple, not a sentinel
+        # object, so the strategy survives pickling (ddpx_spawn).
+        self._pending_hook_entry: tuple[Any] | None = None
         self._sync_blocked = 0  # depth of block_backward_sync(); read by manual optimisation
 
     # ------------------------------------------------------------------------------------ description
@@ -174,9 +178,7 @@ class DDPXStrategy(DDPStrategy):
             broadcast_from_rank0(
                 [p.detach() for p in module.parameters()] + list(module.buffers()), dist.group.WORLD
             )
-        self._pending_hook_entry = (
-            _NOTHING_LOADED  # a checkpoint loaded for evaluation must not leak into a later fit
-        )
+        self._pending_hook_entry = None  # a checkpoint loaded for evaluation must not leak into a later fit
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -292,15 +294,16 @@ class DDPXStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Load as usual; keep the hook entry until the hook exists (``setup`` runs after loading)."""
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._pending_hook_entry = checkpoint.get(checkpoint_state.CHECKPOINT_KEY)
+        self._pending_hook_entry = (checkpoint.get(checkpoint_state.CHECKPOINT_KEY),)
         if isinstance(self.model, DistributedDataParallel):  # already set up: apply now
             self._restore_hook_state()
         return checkpoint
 
     def _restore_hook_state(self) -> None:
-        entry, self._pending_hook_entry = self._pending_hook_entry, _NOTHING_LOADED
-        if entry is _NOTHING_LOADED:
+        pending, self._pending_hook_entry = self._pending_hook_entry, None
+        if pending is None:
             return
+        (entry,) = pending
         stateful = checkpoint_state.is_stateful(self._hook_state)
         restore = checkpoint_state.select_for_rank(
             entry, self.hook_name, stateful, self.global_rank, self.world_size
@@ -358,9 +361,6 @@ class DDPXStrategy(DDPStrategy):
         for name, description, init_params in entries:
             # override=True: re-importing (or reloading) lightning_ddpx must not fail on its own names
             strategy_registry.register(name, cls, description=description, override=True, **init_params)
-
-
-_NOTHING_LOADED = object()  # no checkpoint loaded since the last setup (distinct from "loaded, no entry")
 
 
 def _check_bucket_caps(bucket_cap_mb: float, first_bucket_cap_mb: float) -> None:

@@ -215,3 +215,12 @@ def test_check_plain_accepts_what_weights_only_loads_and_names_the_rest():
         check_plain({"rng": np.random.RandomState(0)}, "state")
     with pytest.raises(TypeError, match="has a key of type tuple"):
         check_plain({(1, 2): 0}, "state")
+
+
+def test_strategy_pickles_for_spawn_without_a_pending_restore():
+    import pickle
+
+    strategy = DDPXStrategy(comm_hook="powersgd", powersgd={"start_powerSGD_iter": 10})
+    copy = pickle.loads(pickle.dumps(strategy))  # what ddpx_spawn does to reach its processes
+    assert copy._pending_hook_entry is None
+    assert copy.comm_hook == "powersgd" and copy.powersgd == strategy.powersgd
