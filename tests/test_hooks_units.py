@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 
 import pytest
 import torch
@@ -254,11 +255,16 @@ def test_markers_single_collective_hooks_and_wrappers_inherit() -> None:
 def one_rank_group():
     """A gloo group of world size 1 in this process: allreduce is the identity, so invariants are exact."""
     created = not dist.is_initialized()
+    previous_interface = os.environ.get("GLOO_SOCKET_IFNAME")
+    if previous_interface is None:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # no hostname lookup on bare CI hosts
     if created:
         dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     yield
     if created:
         dist.destroy_process_group()
+    if previous_interface is None:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
 
 
 SHAPES = [(24, 12), (24,), (6, 2, 3, 3), (24, 12), (4,), (5, 40)]
