@@ -16,12 +16,26 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from tests.dist_utils import run_distributed
-from tests.strategy_helpers import fit, parameters_of, quiet
+from tests.strategy_helpers import TinyRegressor, fit, parameters_of, quiet
 
 pytestmark = pytest.mark.slow
 
 POWERSGD = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 2}
 EPOCH_STEPS = 8  # 64 samples / 2 ranks / batch 4
+
+
+class DeclaredOutputFirst(TinyRegressor):
+    """Output layer declared first: the initial buckets (reverse declaration order) differ from the ones
+    rebuilt after the first step (the order gradients became ready)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.net
+        self.out = torch.nn.Linear(16, 4)
+        self.inp = torch.nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.inp(x)))
 
 
 def powersgd_strategy():
@@ -77,6 +91,30 @@ def resume_job(rank: int, world_size: int, directory: str) -> dict:
         powersgd_strategy(), max_steps=-1, max_epochs=2, ckpt_path=os.path.join(directory, "ddp-epoch=0.ckpt")
     )
     out["no_state/iteration"] = trainer.strategy.comm_hook_state.iter
+
+    # The same exact-resume check on a model whose parameters are declared in another order than backward
+    # produces their gradients (known limitation, see the xfail test below).
+    _, model = fit(powersgd_strategy(), max_steps=-1, max_epochs=2, model_cls=DeclaredOutputFirst)
+    out["reordered/continuous"] = parameters_of(model)
+    checkpoint = ModelCheckpoint(
+        dirpath=directory, filename="reordered-{epoch}", save_on_train_epoch_end=True
+    )
+    fit(
+        powersgd_strategy(),
+        max_steps=-1,
+        max_epochs=1,
+        model_cls=DeclaredOutputFirst,
+        enable_checkpointing=True,
+        callbacks=[checkpoint],
+    )
+    _, model, out["reordered/warnings"] = fit_recording_warnings(
+        powersgd_strategy(),
+        max_steps=-1,
+        max_epochs=2,
+        model_cls=DeclaredOutputFirst,
+        ckpt_path=os.path.join(directory, "reordered-epoch=0.ckpt"),
+    )
+    out["reordered/resumed"] = parameters_of(model)
     return out
 
 
@@ -139,3 +177,15 @@ def test_other_world_size_keeps_shared_state_and_resets_error_feedback(results):
     # The shared iteration count continued from the checkpoint (8), then the second epoch ran 16 steps
     # on one process (all 64 samples, batch 4).
     assert result["iteration"] == EPOCH_STEPS + 16
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known limitation: a new DistributedDataParallel starts from the initial bucket layout and rebuilds "
+    "after its first step, so PowerSGD memory saved under the rebuilt layout does not fit the first resumed "
+    "step and is reset (with a warning). Needs the engine to save/restore its bucket order.",
+)
+def test_resume_is_exact_when_declaration_order_differs_from_gradient_order(results):
+    for rank_result in results:
+        for name, expected in rank_result["reordered/continuous"].items():
+            assert torch.equal(rank_result["reordered/resumed"][name], expected), name
