@@ -113,6 +113,24 @@ class DistributedDataParallel(nn.Module):
                 ):
                     broadcast_from_rank0(buffers, self.process_group)
 
+    def prepare_for_backward(self, outputs: Any) -> None:
+        """Make the next backward synchronise, for a backward whose forward did not end in :meth:`forward`.
+
+        Lightning's manual optimisation calls ``backward`` inside ``training_step``, i.e. inside this
+        wrapper's forward, before forward could arm the reducer; the caller (the strategy) decides when a
+        backward should synchronise and calls this with its loss (used to find unused parameters).
+        """
+        self.reducer.prepare_forward(will_sync=True)
+        self.reducer.prepare_backward(outputs)
+
+    def close(self) -> None:
+        """Detach from the wrapped module: remove gradient hooks, stop the communication thread.
+
+        The wrapped module can then be wrapped again (e.g. a second ``Trainer.fit``) without the old
+        reducer still reacting to its gradients.
+        """
+        self.reducer.close()
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Skip synchronisation for forward+backward passes inside; the next synchronised one averages all.
@@ -156,6 +174,18 @@ class DistributedDataParallel(nn.Module):
         return self.reducer.hook_state if self._hook_registered else None
 
     # ---------------------------------------------------------------------------------- introspection
+    def reducer_state_dict(self) -> dict[str, Any]:
+        """The bucket layout (parameter names in buffer order), plain values only, for checkpoints.
+
+        Hooks with state (PowerSGD) key their memory by bucket; restoring the layout before the first
+        resumed step lets that memory apply exactly, so a resumed run continues bit for bit.
+        """
+        return self.reducer.order_state()
+
+    def load_reducer_state_dict(self, state: dict[str, Any]) -> None:
+        """Adopt a layout saved by :meth:`reducer_state_dict` (same parameters; every rank the same state)."""
+        self.reducer.load_order_state(state)
+
     def bucket_plan(self) -> list[BucketInfo]:
         """The current buckets in launch order: index, bytes, dtype, device and parameter names."""
         return self.reducer.bucket_infos()

@@ -320,7 +320,8 @@ class Reducer:
             raise RuntimeError(
                 f"lightning_ddpx: the communication hook {_hook_name(self.hook)} returned {got} for bucket {b}, "
                 f"but the bucket holds {buffer.dtype} x {buffer.numel()} (parameters {self._bucket_names(b)}). "
-                "A hook's future must hold the reduced flat buffer: same size and dtype as bucket.buffer()."
+                "A hook's future must hold the reduced flat buffer: same size as bucket.buffer(), and a floating "
+                "dtype (cast back, as torch's reducer does) when the bucket is floating point."
             )
         return value
 
@@ -377,6 +378,36 @@ class Reducer:
             dist.broadcast(order, group=self.process_group, group_src=0)
         self._install_plan(order.tolist())
         self._rebuild_pending = False
+
+    def close(self) -> None:
+        """Remove the gradient hooks and stop the communication thread; the reducer is unusable after."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._launcher.close()
+
+    def order_state(self) -> dict[str, Any]:
+        """The bucket layout as plain values: parameter names in buffer order, and whether it was rebuilt."""
+        order = [self.names[i] for bucket in self.buckets for i in bucket.spec.param_indices]
+        return {"parameter_order": order, "rebuilt": self._ready_order is None and not self._rebuild_pending}
+
+    def load_order_state(self, state: dict[str, Any]) -> None:
+        """Adopt a saved layout now (before the first backward), so a resumed run reduces, and its hooks
+        see, exactly the buckets the saved run had. Every rank must load the same state."""
+        if self.phase is not Phase.IDLE:
+            raise RuntimeError("lightning_ddpx: a bucket layout can only be loaded between iterations")
+        position = {name: i for i, name in enumerate(self.names)}
+        names = list(state["parameter_order"])
+        if sorted(names) != sorted(self.names):
+            missing = sorted(set(self.names) - set(names))[:5]
+            extra = sorted(set(names) - set(self.names))[:5]
+            raise ValueError(
+                "lightning_ddpx: the saved bucket layout is for other parameters "
+                f"(missing here: {extra}, not in the saved layout: {missing}); it cannot be restored."
+            )
+        self._install_plan([position[name] for name in names])
+        if state.get("rebuilt", True):
+            self._ready_order, self._rebuild_pending = None, False
 
     # --------------------------------------------------------------------------------------- errors
     def _bucket_names(self, b: int) -> list[str]:

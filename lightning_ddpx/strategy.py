@@ -252,8 +252,7 @@ class DDPXStrategy(DDPStrategy):
             return
         # The same two calls the module's forward makes around a synchronising forward: rebuild buckets if
         # due, then arm the reducer (finding unused parameters from the loss, if enabled).
-        model.reducer.prepare_forward(will_sync=True)
-        model.reducer.prepare_backward(closure_loss)
+        model.prepare_for_backward(closure_loss)
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
@@ -287,6 +286,10 @@ class DDPXStrategy(DDPStrategy):
         if self._hook_registered and "optimizer_states" in checkpoint and dist.is_initialized():
             entry = checkpoint_state.gather_entry(self._hook_state, self.hook_name, dist.group.WORLD)
             if entry is not None:
+                if isinstance(self.model, DistributedDataParallel):
+                    # Rank 0's layout is every rank's (the rebuild broadcasts it). Hook state is keyed by
+                    # bucket, so the resumed run must reduce the same buckets from its first step.
+                    entry["bucket_layout"] = self.model.reducer_state_dict()
                 checkpoint[checkpoint_state.CHECKPOINT_KEY] = entry
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
@@ -304,6 +307,7 @@ class DDPXStrategy(DDPStrategy):
         if pending is None:
             return
         (entry,) = pending
+        self._restore_bucket_layout(entry)
         stateful = checkpoint_state.is_stateful(self._hook_state)
         restore = checkpoint_state.select_for_rank(
             entry, self.hook_name, stateful, self.global_rank, self.world_size
@@ -311,6 +315,18 @@ class DDPXStrategy(DDPStrategy):
         if restore.warning:
             rank_zero_warn(restore.warning)
         checkpoint_state.apply_restore(self._hook_state, restore)
+
+    def _restore_bucket_layout(self, entry: Any) -> None:
+        layout = entry.get("bucket_layout") if isinstance(entry, dict) else None
+        if layout is None or not isinstance(self.model, DistributedDataParallel):
+            return
+        try:
+            self.model.load_reducer_state_dict(layout)
+        except (ValueError, KeyError, TypeError) as error:
+            rank_zero_warn(
+                f"lightning_ddpx: the checkpoint's bucket layout does not fit this model ({error}); buckets are "
+                "planned afresh, so stateful hook memory may be reset on the first step."
+            )
 
     # -------------------------------------------------------------------------------------- teardown
     @override
@@ -456,8 +472,7 @@ def _powersgd_options(comm_hook: Any, powersgd: Any) -> PowerSGDOptions | None:
 def _remove_gradient_hooks(module: DistributedDataParallel) -> None:
     """Detach the module's reducer from the parameters, so a later fit on the same LightningModule does not
     keep the old reducer (and its bucket buffers) alive through the parameters' gradient hooks."""
-    for handle in getattr(module.reducer, "_handles", ()):
-        handle.remove()
+    module.close()
 
 
 DDPXStrategy.register_strategies(StrategyRegistry)

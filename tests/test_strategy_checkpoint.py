@@ -93,7 +93,7 @@ def resume_job(rank: int, world_size: int, directory: str) -> dict:
     out["no_state/iteration"] = trainer.strategy.comm_hook_state.iter
 
     # The same exact-resume check on a model whose parameters are declared in another order than backward
-    # produces their gradients (known limitation, see the xfail test below).
+    # produces their gradients (the checkpoint carries the bucket layout, so the first resumed step reduces the same buckets).
     _, model = fit(powersgd_strategy(), max_steps=-1, max_epochs=2, model_cls=DeclaredOutputFirst)
     out["reordered/continuous"] = parameters_of(model)
     checkpoint = ModelCheckpoint(
@@ -179,12 +179,6 @@ def test_other_world_size_keeps_shared_state_and_resets_error_feedback(results):
     assert result["iteration"] == EPOCH_STEPS + 16
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known limitation: a new DistributedDataParallel starts from the initial bucket layout and rebuilds "
-    "after its first step, so PowerSGD memory saved under the rebuilt layout does not fit the first resumed "
-    "step and is reset (with a warning). Needs the engine to save/restore its bucket order.",
-)
 def test_resume_is_exact_when_declaration_order_differs_from_gradient_order(results):
     for rank_result in results:
         for name, expected in rank_result["reordered/continuous"].items():
