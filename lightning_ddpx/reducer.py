@@ -310,7 +310,9 @@ class Reducer:
         if (
             not isinstance(value, torch.Tensor)
             or value.numel() != buffer.numel()
-            or value.dtype != buffer.dtype
+            or (
+                value.dtype != buffer.dtype and not (value.is_floating_point() and buffer.is_floating_point())
+            )
         ):
             got = (
                 f"{type(value).__name__}"

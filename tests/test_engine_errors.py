@@ -71,6 +71,15 @@ def engine_errors(rank: int, world_size: int) -> dict:
     out["twice"] = message_of(lambda: model.register_comm_hook(None, wrong_size))
     out["wrong_size"] = message_of(lambda: mlp_loss(model, 0).backward())
 
+    def integer_result(state, bucket):
+        future = torch.futures.Future()
+        future.set_result(bucket.buffer().to(torch.int32))
+        return future
+
+    wrong_dtype = lightning_ddpx.DistributedDataParallel(mlp(), **SMALL_BUCKETS)
+    wrong_dtype.register_comm_hook(None, integer_result)
+    out["wrong_dtype"] = message_of(lambda: mlp_loss(wrong_dtype, 0).backward())
+
     late = lightning_ddpx.DistributedDataParallel(mlp(), **SMALL_BUCKETS)
     mlp_loss(late, 0).backward()
     out["late"] = message_of(lambda: late.register_comm_hook(None, wrong_size))
@@ -98,7 +107,10 @@ def test_engine_errors_name_the_culprit_and_the_fix():
         assert "ddpx_find_unused_parameters_true" in out["unused"] and f"rank {rank}" in out["unused"]
         assert "TypeError" in out["signature"] and "hook(state, bucket)" in out["signature"]
         assert "already registered" in out["twice"]
-        assert "bucket 0" in out["wrong_size"] and "same size and dtype" in out["wrong_size"]
+        assert "bucket 0" in out["wrong_size"] and "same size as bucket.buffer()" in out["wrong_size"]
+        assert "torch.int32" in out["wrong_dtype"] and "floating dtype" in out["wrong_dtype"], out[
+            "wrong_dtype"
+        ]
         assert "before the first backward" in out["late"]
         assert "deliberate failure" in out["hook_raises"] and "bucket 0" in out["hook_raises"]
         assert out["after_failure"] == "no error"

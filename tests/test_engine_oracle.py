@@ -213,15 +213,20 @@ def run_torch_hook(rank: int, world_size: int, hook_name: str) -> dict:
             rank, mlp, mlp_loss, STEPS + 2, {**single_bucket, "first_bucket_cap_mb": 100.0}, single_bucket,
             hooks=hooks, rtol=1e-5, atol=1e-6,
         )  # fmt: skip
-    hook = {"allreduce": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook}[hook_name]
-    tolerance = {"allreduce": (1e-6, 1e-7), "fp16": (1e-3, 1e-4)}[hook_name]
+    hook = {
+        "allreduce": default_hooks.allreduce_hook,
+        "fp16": default_hooks.fp16_compress_hook,
+        # returns a float16 tensor for a float32 bucket: the reducer casts it back, as torch's does
+        "fp16_wrapper": default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook),
+    }[hook_name]
+    tolerance = {"allreduce": (1e-6, 1e-7), "fp16": (1e-3, 1e-4), "fp16_wrapper": (1e-3, 1e-4)}[hook_name]
     return train_side_by_side(
         rank, conv_bn, conv_loss, STEPS, SMALL_BUCKETS, {}, hooks=((None, hook), (None, hook)),
         rtol=tolerance[0], atol=tolerance[1],
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("hook_name", ["allreduce", "fp16", "powersgd"])
+@pytest.mark.parametrize("hook_name", ["allreduce", "fp16", "fp16_wrapper", "powersgd"])
 def test_torch_hooks_run_on_our_module(hook_name: str) -> None:
     run_distributed(run_torch_hook, 2, hook_name)
 
