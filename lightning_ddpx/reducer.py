@@ -34,10 +34,22 @@ CommHook = Callable[[Any, GradBucket], torch.futures.Future]
 
 @collectives_issued_on_call
 def mean_allreduce_hook(process_group: dist.ProcessGroup, bucket: GradBucket) -> torch.futures.Future:
-    """The default reduction: multiply by 1/world_size, then sum-allreduce (torch's default, bit for bit)."""
+    """Multiply by 1/world_size, then sum-allreduce: what the reducer does when no hook is registered."""
     buffer = bucket.buffer()
     buffer.mul_(1.0 / dist.get_world_size(process_group))
     return dist.all_reduce(buffer, group=process_group, async_op=True).get_future()
+
+
+@collectives_issued_on_call
+def _sum_allreduce_hook(process_group: dist.ProcessGroup, bucket: GradBucket) -> torch.futures.Future:
+    """The default path's hook: gradients were already scaled by 1/world_size while copied into the bucket."""
+    return dist.all_reduce(bucket.buffer(), group=process_group, async_op=True).get_future()
+
+
+# With no hook, scaling happens during the copy into the bucket (one pass over the gradients instead of a copy
+# and a multiply, as torch's reducer does). Per-parameter fused multiplies cost one dispatch each, so buckets
+# of many small tensors copy in one batched call and scale the whole buffer instead.
+_FUSED_SCALE_MIN_AVERAGE_NUMEL = 16384
 
 
 class Phase(enum.Enum):
@@ -84,9 +96,10 @@ class Reducer:
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
 
-        self.hook: CommHook = mean_allreduce_hook
+        self.hook: CommHook = _sum_allreduce_hook
         self.hook_state: Any = process_group
         self.hook_is_default = True
+        self._scale_on_copy: float | None = 1.0 / self.world_size  # only for the default hook
         self._launcher: InlineLauncher | SequencedLauncher = InlineLauncher()
 
         self.phase = Phase.IDLE
@@ -147,6 +160,7 @@ class Reducer:
     # ------------------------------------------------------------------------------------ comm hook
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         self.hook, self.hook_state, self.hook_is_default = hook, state, False
+        self._scale_on_copy = None  # a registered hook sees the plain local gradients
         self._launcher.close()
         self._launcher = InlineLauncher() if issues_collectives_on_call(hook) else SequencedLauncher()
 
@@ -237,7 +251,9 @@ class Reducer:
         bucket = self.buckets[b]
         with record_function("lightning_ddpx::launch_bucket"):
             if not self.gradient_as_bucket_view:
-                self._copy_grads_into(b, bucket)
+                self._copy_grads_into(b, bucket, self._scale_on_copy)
+            elif self._scale_on_copy is not None:
+                bucket.buffer.mul_(self._scale_on_copy)
             grad_bucket = GradBucket(
                 b, bucket.buffer, bucket.views, bucket.params, b == len(self.buckets) - 1
             )
@@ -245,16 +261,22 @@ class Reducer:
             self._futures[b] = self._launcher.submit(lambda: hook(state, grad_bucket))
 
     @torch.no_grad()
-    def _copy_grads_into(self, b: int, bucket: _Bucket) -> None:
-        if self._unused_in_bucket[b] == 0:
+    def _copy_grads_into(self, b: int, bucket: _Bucket, scale: float | None) -> None:
+        """Fill the bucket from ``param.grad`` (zero for locally unused parameters), times ``scale`` if given."""
+        fused = scale is not None and bucket.spec.numel >= _FUSED_SCALE_MIN_AVERAGE_NUMEL * len(bucket.params)
+        if self._unused_in_bucket[b] == 0 and not fused:
             torch._foreach_copy_(bucket.views, [p.grad for p in bucket.params])
+            if scale is not None:
+                bucket.buffer.mul_(scale)
             return
         used = self._locally_used
         for index, param, view in zip(bucket.spec.param_indices, bucket.params, bucket.views):
-            if used[index]:
+            if not used[index]:
+                view.zero_()
+            elif scale is None:
                 view.copy_(param.grad)
             else:
-                view.zero_()
+                torch.mul(param.grad, scale, out=view)
 
     # ------------------------------------------------------------------------------------- finalize
     def _finalize(self) -> None:

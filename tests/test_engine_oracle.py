@@ -31,6 +31,16 @@ def mlp_loss(model: nn.Module, step: int) -> torch.Tensor:
     return model(rank_batch(rank, step, (8, 16))).pow(2).mean() * (rank + 1)
 
 
+def wide() -> nn.Module:
+    """Layers of 64K+ elements: the default path scales each gradient while copying it (fused)."""
+    return nn.Sequential(nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 16))
+
+
+def wide_loss(model: nn.Module, step: int) -> torch.Tensor:
+    rank = dist.get_rank()
+    return model(rank_batch(rank, step, (8, 16))).pow(2).mean() * (rank + 1)
+
+
 def conv_bn() -> nn.Module:
     return nn.Sequential(
         nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(),
@@ -102,6 +112,8 @@ SCENARIOS = {
     "mlp": (mlp, mlp_loss, SMALL_BUCKETS, {}),
     "mlp_as_view": (mlp, mlp_loss, {**SMALL_BUCKETS, "gradient_as_bucket_view": True}, {"gradient_as_bucket_view": True}),
     "conv_bn": (conv_bn, conv_loss, SMALL_BUCKETS, {}),
+    "wide": (wide, wide_loss, {"bucket_cap_mb": 0.3, "first_bucket_cap_mb": 0.05}, {}),
+    "wide_unused": (wide, wide_loss, {"bucket_cap_mb": 0.3, "find_unused_parameters": True}, {"find_unused_parameters": True}),
     "branches": (Branches, mlp_loss, {**SMALL_BUCKETS, "find_unused_parameters": True}, {"find_unused_parameters": True}),
     "branches_as_view": (
         Branches, mlp_loss,
@@ -126,7 +138,7 @@ def test_matches_torch_ddp_two_ranks(name: str) -> None:
         torch.testing.assert_close(value, results[1]["params"][param_name], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", ["mlp", "branches", "conv_bn"])
+@pytest.mark.parametrize("name", ["mlp", "branches", "conv_bn", "wide"])
 def test_matches_torch_ddp_three_ranks(name: str) -> None:
     run_distributed(run_scenario, 3, name)
 
