@@ -99,3 +99,30 @@ def test_engine_benchmark_runs_end_to_end(tmp_path) -> None:
     assert len(tiny["torch_ms"]) == len(tiny["ours_ms"]) == 2
     assert tiny["param_max_abs_diff"] == 0.0  # both modules did bit-identical work
     assert tiny["summary"]["ratio"] > 0
+
+
+@pytest.mark.slow
+def test_hooks_benchmark_runs_end_to_end(tmp_path) -> None:
+    out = tmp_path / "hooks.json"
+    command = [sys.executable, os.path.join("benchmarks", "bench_hooks.py"), "--quick", "--json", str(out)]
+    completed = subprocess.run(
+        command,
+        cwd=REPO_ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    assert "ours-powersgd-r1 / torch-powersgd-r1" in completed.stdout
+    tiny = json.loads(out.read_text())["models"]["tiny"]
+    contenders = tiny["contenders"]
+    assert len(contenders) == 10 and all(len(c["step_ms"]) == 2 for c in contenders.values())
+    # The warm-up went past start_powerSGD_iter: every timed PowerSGD step was a compressed one.
+    for name in ("torch-powersgd-r1", "ours-powersgd-r1", "ours-powersgd-r4", "ours-batched-r1"):
+        assert contenders[name]["powersgd"]["first_timed_iter"] >= 2, name
+        assert contenders[name]["buckets"] in (1, None), name
+    assert contenders["ours-powersgd-r1"]["powersgd"]["compression_rate"] > 1.0
+    assert tiny["param_max_abs_diff"]["torch-allreduce vs ours-allreduce"] == 0.0
+    assert [t["candidate"] for t in tiny["targets"]] == ["ours-powersgd-r1", "ours-fp16", "ours-bf16"]
+    assert all(t["summary"]["ratio"] > 0 for t in tiny["targets"])
