@@ -27,17 +27,9 @@ from lightning_ddpx.grad_bucket import GradBucket, collectives_issued_on_call, i
 from lightning_ddpx.graph import reachable_parameter_indices
 from lightning_ddpx.launcher import InlineLauncher, SequencedLauncher
 
-__all__ = ["Reducer", "mean_allreduce_hook"]
+__all__ = ["Reducer"]
 
 CommHook = Callable[[Any, GradBucket], torch.futures.Future]
-
-
-@collectives_issued_on_call
-def mean_allreduce_hook(process_group: dist.ProcessGroup, bucket: GradBucket) -> torch.futures.Future:
-    """Multiply by 1/world_size, then sum-allreduce: what the reducer does when no hook is registered."""
-    buffer = bucket.buffer()
-    buffer.mul_(1.0 / dist.get_world_size(process_group))
-    return dist.all_reduce(buffer, group=process_group, async_op=True).get_future()
 
 
 @collectives_issued_on_call
@@ -98,7 +90,6 @@ class Reducer:
 
         self.hook: CommHook = _sum_allreduce_hook
         self.hook_state: Any = process_group
-        self.hook_is_default = True
         self._scale_on_copy: float | None = 1.0 / self.world_size  # only for the default hook
         self._launcher: InlineLauncher | SequencedLauncher = InlineLauncher()
 
@@ -159,7 +150,7 @@ class Reducer:
 
     # ------------------------------------------------------------------------------------ comm hook
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
-        self.hook, self.hook_state, self.hook_is_default = hook, state, False
+        self.hook, self.hook_state = hook, state
         self._scale_on_copy = None  # a registered hook sees the plain local gradients
         self._launcher.close()
         self._launcher = InlineLauncher() if issues_collectives_on_call(hook) else SequencedLauncher()
