@@ -1,15 +1,19 @@
 """lightning-ddpx: a data-parallel module on our own bucketed gradient reducer, and its Lightning strategy."""
 
 from lightning_ddpx.bucketing import BucketInfo
+from lightning_ddpx.comm_stats import CommStatsSummary, StepCommStats
 from lightning_ddpx.distributed import DistributedDataParallel
-from lightning_ddpx.grad_bucket import GradBucket, collectives_issued_on_call
+from lightning_ddpx.grad_bucket import GradBucket, collectives_issued_on_call, record_bytes_sent
 from lightning_ddpx.strategy import DDPXStrategy  # registers "ddpx", "ddpx_powersgd", ... with Lightning
 
 __all__ = [
     "BucketInfo",
+    "CommStatsSummary",
     "DDPXStrategy",
     "DistributedDataParallel",
     "GradBucket",
+    "StepCommStats",
     "collectives_issued_on_call",
+    "record_bytes_sent",
 ]
 __version__ = "0.1.0"

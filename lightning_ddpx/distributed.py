@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_ddpx.bucketing import BucketInfo, megabytes_to_bytes
+from lightning_ddpx.comm_stats import CommStatsSummary, StepCommStats
 from lightning_ddpx.consistency import broadcast_from_rank0, verify_same_parameters
 from lightning_ddpx.errors import waiting_for
 from lightning_ddpx.reducer import CommHook, Phase, Reducer
@@ -189,6 +190,27 @@ class DistributedDataParallel(nn.Module):
     def bucket_plan(self) -> list[BucketInfo]:
         """The current buckets in launch order: index, bytes, dtype, device and parameter names."""
         return self.reducer.bucket_infos()
+
+    def bucket_plan_history(self) -> list[tuple[int, list[BucketInfo]]]:
+        """Every bucket plan this module used, as ``(synchronised iterations before it, plan)``.
+
+        The first entry is the construction-time plan (reverse parameter order); a second one appears when
+        buckets were rebuilt from the gradient order observed in the first iteration, or when a checkpoint's
+        layout was loaded.
+        """
+        return list(self.reducer.plan_history)
+
+    def comm_stats(self) -> StepCommStats | None:
+        """Communication of the last synchronised step on this rank (``None`` before the first).
+
+        Bytes handed to the hook, bytes its collectives sent (if the hook reports them, as every built-in
+        hook does), time inside hook calls and exposed communication; see :mod:`lightning_ddpx.comm_stats`.
+        """
+        return self.reducer.last_step_stats
+
+    def take_comm_stats(self) -> CommStatsSummary | None:
+        """Per-step means since the previous call (``None`` if no step synchronised since); starts anew."""
+        return self.reducer.stats_window.take()
 
 
 def _validate_arguments(module: Any, bucket_cap_mb: float, first_bucket_cap_mb: float) -> None:

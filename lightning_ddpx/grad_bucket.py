@@ -21,7 +21,14 @@ from typing import Callable, Sequence, TypeVar
 
 import torch
 
-__all__ = ["GradBucket", "collectives_issued_on_call", "issues_collectives_on_call"]
+__all__ = [
+    "GradBucket",
+    "collectives_issued_on_call",
+    "issues_collectives_on_call",
+    "payload_bytes",
+    "record_bytes_sent",
+    "sent_log_of",
+]
 
 _ON_CALL_ATTRIBUTE = "_lightning_ddpx_collectives_issued_on_call"
 
@@ -50,7 +57,7 @@ class GradBucket:
     into it shaped like the parameters, so a hook that writes into them writes into the buffer.
     """
 
-    __slots__ = ("_index", "_buffer", "_gradients", "_parameters", "_is_last")
+    __slots__ = ("_index", "_buffer", "_gradients", "_parameters", "_is_last", "_sent_log")
 
     def __init__(
         self,
@@ -59,12 +66,14 @@ class GradBucket:
         gradients: Sequence[torch.Tensor],
         parameters: Sequence[torch.nn.Parameter],
         is_last: bool,
+        sent_log: list[int] | None = None,
     ) -> None:
         self._index = index
         self._buffer = buffer
         self._gradients = list(gradients)
         self._parameters = list(parameters)
         self._is_last = is_last
+        self._sent_log = sent_log
 
     def index(self) -> int:
         """Position of this bucket in launch order (0 is launched first)."""
@@ -95,3 +104,26 @@ class GradBucket:
             f"GradBucket(index={self._index}, numel={self._buffer.numel()}, "
             f"dtype={self._buffer.dtype}, parameters={len(self._parameters)}, is_last={self._is_last})"
         )
+
+
+def payload_bytes(*tensors: torch.Tensor) -> int:
+    """Bytes held by ``tensors``: what a collective over them sends, as counted in the statistics."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def record_bytes_sent(bucket: object, nbytes: int) -> None:
+    """Count ``nbytes`` of collective payload sent for ``bucket`` in the reducer's statistics.
+
+    Hooks call this for each collective they issue (the tensor's size, not the wire traffic of the
+    algorithm). Only the hook knows what it sends (PowerSGD sends P and Q, not the bucket), so the reducer
+    cannot measure it itself. A no-op for buckets that keep no statistics, e.g. torch's ``GradBucket``.
+    ``list.append`` is atomic, so hooks may record from any thread.
+    """
+    log = getattr(bucket, "_sent_log", None)
+    if log is not None:
+        log.append(int(nbytes))
+
+
+def sent_log_of(bucket: object) -> list[int] | None:
+    """Where ``bucket`` records bytes sent, for wrappers that hand a re-made bucket to an inner hook."""
+    return getattr(bucket, "_sent_log", None)

@@ -22,8 +22,15 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from lightning_ddpx.bucketing import BucketInfo, BucketSpec, plan_buckets
+from lightning_ddpx.comm_stats import CommStatsWindow, StepCommStats
 from lightning_ddpx.errors import CommunicationError, waiting_for
-from lightning_ddpx.grad_bucket import GradBucket, collectives_issued_on_call, issues_collectives_on_call
+from lightning_ddpx.grad_bucket import (
+    GradBucket,
+    collectives_issued_on_call,
+    issues_collectives_on_call,
+    payload_bytes,
+    record_bytes_sent,
+)
 from lightning_ddpx.graph import reachable_parameter_indices
 from lightning_ddpx.launcher import InlineLauncher, SequencedLauncher
 
@@ -35,7 +42,9 @@ CommHook = Callable[[Any, GradBucket], torch.futures.Future]
 @collectives_issued_on_call
 def _sum_allreduce_hook(process_group: dist.ProcessGroup, bucket: GradBucket) -> torch.futures.Future:
     """The default path's hook: gradients were already scaled by 1/world_size while copied into the bucket."""
-    return dist.all_reduce(bucket.buffer(), group=process_group, async_op=True).get_future()
+    buffer = bucket.buffer()
+    record_bytes_sent(bucket, payload_bytes(buffer))
+    return dist.all_reduce(buffer, group=process_group, async_op=True).get_future()
 
 
 # With no hook, scaling happens during the copy into the bucket (one pass over the gradients instead of a copy
@@ -100,6 +109,9 @@ class Reducer:
         self._forward_unused: set[int] = set()
         self._observed_order: list[int] = []
         self.last_exposed_comm_s = 0.0
+        self.last_step_stats: StepCommStats | None = None
+        self.stats_window = CommStatsWindow()
+        self.plan_history: list[tuple[int, list[BucketInfo]]] = []  # (iterations synced before, plan)
         self._install_plan(list(reversed(range(len(self.params)))))
         self._handles = [
             p.register_post_accumulate_grad_hook(self._make_grad_hook(i)) for i, p in enumerate(self.params)
@@ -121,6 +133,7 @@ class Reducer:
                 self._position_of[index] = position
         if self.gradient_as_bucket_view:
             self._alias_grads_to_buckets()
+        self.plan_history.append((self.iterations_synced, self.bucket_infos()))
         self._reset_iteration()
 
     @torch.no_grad()
@@ -147,6 +160,10 @@ class Reducer:
         self._locally_used = bytearray(len(self.params))
         self._next_launch = 0
         self._futures: list[torch.futures.Future | None] = [None] * count
+        # Statistics of this iteration; the lists are appended to from the hooks' threads (atomic).
+        self._bytes_to_hook = 0
+        self._sent_log: list[int] = []
+        self._hook_seconds: list[float] = []
 
     # ------------------------------------------------------------------------------------ comm hook
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
@@ -246,10 +263,20 @@ class Reducer:
             elif self._scale_on_copy is not None:
                 bucket.buffer.mul_(self._scale_on_copy)
             grad_bucket = GradBucket(
-                b, bucket.buffer, bucket.views, bucket.params, b == len(self.buckets) - 1
+                b, bucket.buffer, bucket.views, bucket.params, b == len(self.buckets) - 1, self._sent_log
             )
-            hook, state = self.hook, self.hook_state
-            self._futures[b] = self._launcher.submit(lambda: hook(state, grad_bucket))
+            self._bytes_to_hook += bucket.spec.num_bytes
+            hook, state, hook_seconds = self.hook, self.hook_state, self._hook_seconds
+
+            def call_hook() -> torch.futures.Future:
+                started = time.perf_counter()
+                try:
+                    with record_function("lightning_ddpx::comm_hook"):
+                        return hook(state, grad_bucket)
+                finally:
+                    hook_seconds.append(time.perf_counter() - started)
+
+            self._futures[b] = self._launcher.submit(call_hook)
 
     @torch.no_grad()
     def _copy_grads_into(self, b: int, bucket: _Bucket, scale: float | None) -> None:
@@ -292,9 +319,23 @@ class Reducer:
                         used_counts = globally_used.wait()[0].tolist()
                 self.last_exposed_comm_s = time.perf_counter() - started
                 self._write_back(results, used_counts)
+                self._record_step_stats()
                 succeeded = True
             finally:
                 self._end_iteration(succeeded)
+
+    def _record_step_stats(self) -> None:
+        sent = self._sent_log
+        stats = StepCommStats(
+            iteration=self.iterations_synced + 1,
+            buckets=len(self.buckets),
+            bytes_to_hook=self._bytes_to_hook,
+            bytes_sent=sum(sent) if sent else None,
+            hook_s=sum(self._hook_seconds),
+            exposed_comm_s=self.last_exposed_comm_s,
+        )
+        self.last_step_stats = stats
+        self.stats_window.add(stats)
 
     def _launch_used_bitmap(self) -> torch.futures.Future:
         bitmap = torch.tensor(

@@ -15,7 +15,14 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from lightning_ddpx.grad_bucket import GradBucket, collectives_issued_on_call, issues_collectives_on_call
+from lightning_ddpx.grad_bucket import (
+    GradBucket,
+    collectives_issued_on_call,
+    issues_collectives_on_call,
+    payload_bytes,
+    record_bytes_sent,
+    sent_log_of,
+)
 from lightning_ddpx.hooks.layout import TensorSlot, bucket_key, bucket_layout, segment_sizes
 
 __all__ = [
@@ -43,6 +50,7 @@ def allreduce_hook(
     """
     buffer = bucket.buffer()
     buffer.div_(dist.get_world_size(process_group))
+    record_bytes_sent(bucket, payload_bytes(buffer))
     return dist.all_reduce(buffer, group=process_group, async_op=True).get_future().then(first_value)
 
 
@@ -60,7 +68,7 @@ def fp16_compress_hook(
     Halves the bytes sent for fp32 gradients. float16 keeps 11 significant bits but overflows above 65504,
     so gradients should be reasonably scaled (they usually are after the division by world size).
     """
-    return _cast_allreduce(torch.float16, process_group, bucket.buffer())
+    return _cast_allreduce(torch.float16, process_group, bucket)
 
 
 @collectives_issued_on_call
@@ -72,13 +80,15 @@ def bf16_compress_hook(
     bfloat16 keeps fp32's range (no overflow) with 8 significant bits. Unlike torch's hook this one is not
     limited to NCCL: gloo on CPU reduces bfloat16 too.
     """
-    return _cast_allreduce(torch.bfloat16, process_group, bucket.buffer())
+    return _cast_allreduce(torch.bfloat16, process_group, bucket)
 
 
 def _cast_allreduce(
-    dtype: torch.dtype, process_group: dist.ProcessGroup | None, buffer: torch.Tensor
+    dtype: torch.dtype, process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
+    buffer = bucket.buffer()
     compressed = buffer.to(dtype).div_(dist.get_world_size(process_group))
+    record_bytes_sent(bucket, payload_bytes(compressed))
     future = dist.all_reduce(compressed, group=process_group, async_op=True).get_future()
     return future.then(lambda done: buffer.copy_(done.value()[0]))
 
@@ -140,7 +150,9 @@ def _recast_bucket(bucket: Any, buffer: torch.Tensor, layouts: dict) -> GradBuck
     _, sizes, where, slots = cached
     segments = buffer.split(sizes)
     views = [segments[w].view(slot.shape) for w, slot in zip(where, slots)]
-    return GradBucket(bucket.index(), buffer, views, bucket.parameters(), bucket.is_last())
+    return GradBucket(
+        bucket.index(), buffer, views, bucket.parameters(), bucket.is_last(), sent_log=sent_log_of(bucket)
+    )
 
 
 @collectives_issued_on_call
@@ -150,6 +162,7 @@ def noop_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch
     For headroom analysis only (how fast would training be if communication were free?); ranks drift
     apart, so never train a model you keep with it.
     """
+    record_bytes_sent(bucket, 0)  # known to send nothing (not "unknown", as for a hook that does not say)
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(bucket.buffer())
     return future

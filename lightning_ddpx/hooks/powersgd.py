@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from lightning_ddpx.grad_bucket import payload_bytes, record_bytes_sent
 from lightning_ddpx.hooks.default import first_value
 from lightning_ddpx.hooks.layout import (
     PowerSGDPlan,
@@ -53,13 +54,14 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     """
     if not state.compressing():
         state.end_bucket(bucket, None)
-        return _average(state.process_group, bucket.buffer())
+        return _average(state.process_group, bucket)
     with torch.no_grad(), record_function("lightning_ddpx::powersgd"):
         runtime = state.runtime.get(bucket.index())
         if not isinstance(runtime, _TensorwiseRuntime) or not runtime.fits(bucket):
             runtime = state.runtime[bucket.index()] = _TensorwiseRuntime(state, bucket)
         runtime.step(state, bucket.buffer())
         state.end_bucket(bucket, runtime.counts)
+    record_bytes_sent(bucket, runtime.bytes_sent)
     return _completed(bucket.buffer())
 
 
@@ -74,20 +76,23 @@ def batched_powersgd_hook(
     """
     if not state.compressing():
         state.end_bucket(bucket, None)
-        return _average(state.process_group, bucket.buffer())
+        return _average(state.process_group, bucket)
     with torch.no_grad(), record_function("lightning_ddpx::batched_powersgd"):
         runtime = state.runtime.get(bucket.index())
         if not isinstance(runtime, _SquareRuntime) or not runtime.fits(bucket):
             runtime = state.runtime[bucket.index()] = _SquareRuntime(state, bucket)
         runtime.step(state, bucket.buffer())
         state.end_bucket(bucket, runtime.counts)
+    record_bytes_sent(bucket, runtime.bytes_sent)
     return _completed(bucket.buffer())
 
 
 # ------------------------------------------------------------------------------------------ helpers
-def _average(group: dist.ProcessGroup | None, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+def _average(group: dist.ProcessGroup | None, bucket: Any) -> torch.futures.Future[torch.Tensor]:
     """Plain averaging before compression starts (divide, then sum: torch's allreduce hook)."""
+    buffer = bucket.buffer()
     buffer.div_(dist.get_world_size(group))
+    record_bytes_sent(bucket, payload_bytes(buffer))
     return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(first_value)
 
 
@@ -204,6 +209,8 @@ class _TensorwiseRuntime:
         unc_sizes = [plan.slots[i].numel for i in plan.uncompressed]
         self.uncompressed_members = list(self.uncompressed_packed.split(unc_sizes))
         self._views_for: int | None = None
+        # Payload of one step: [P | uncompressed] and Q; the whole bucket when nothing is worth compressing.
+        self.bytes_sent = payload_bytes(self.round_one, self.q) if plan.groups else payload_bytes(buffer)
 
     def fits(self, bucket: Any) -> bool:
         return self.key == bucket_key(bucket)
@@ -293,6 +300,7 @@ class _SquareRuntime:
         self.x = error if error is not None else torch.zeros(side * side, **new)
         self.x_square = self.x.view(1, side, side)
         self.tail = torch.empty((side - self.full_rows) * side, **new)  # P Q^T rows past the bucket's end
+        self.bytes_sent = payload_bytes(self.p, self.q)  # payload of one step
 
     def fits(self, bucket: Any) -> bool:
         return self.key == bucket_key(bucket)
