@@ -14,11 +14,10 @@ and cluster environments stay Lightning's (we subclass ``DDPStrategy`` for them)
 
 from __future__ import annotations
 
-import importlib
 import logging
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Generator, Literal, Mapping, Optional, Union
+from typing import Any, Generator, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -34,36 +33,21 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_ddpx import checkpoint_state
+from lightning_ddpx.config import CommHookFn, DDPXConfig, DDPXConfigAttributes
 from lightning_ddpx.consistency import broadcast_from_rank0
 from lightning_ddpx.distributed import DistributedDataParallel
-from lightning_ddpx.hooks import (
-    PowerSGDOptions,
-    available_hooks,
-    bf16_compress_wrapper,
-    build_comm_hook,
-    fp16_compress_wrapper,
-)
+from lightning_ddpx.hooks import PowerSGDOptions
 
 __all__ = ["DDPXStrategy"]
 
 log = logging.getLogger(__name__)
 
-CommHookFn = Callable[[Any, Any], Any]  # hook(state, bucket: GradBucket) -> torch.futures.Future[Tensor]
 
-_WRAPPERS: dict[str, Callable[[CommHookFn], CommHookFn]] = {
-    "fp16": fp16_compress_wrapper,
-    "bf16": bf16_compress_wrapper,
-}
-_POWERSGD_HOOKS = ("powersgd", "batched_powersgd")  # the built-in names that take PowerSGDOptions
-_OPTIONLESS_HOOKS = ("allreduce", "fp16", "bf16", "noop")  # the built-in names that take none
-
-
-class DDPXStrategy(DDPStrategy):
+class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     """Multi-process data parallelism with lightning_ddpx's gradient reducer and communication hooks.
 
     Takes every argument of Lightning's ``DDPStrategy`` except torch's DDP kwargs, plus:
@@ -81,6 +65,10 @@ class DDPXStrategy(DDPStrategy):
             ``PowerSGDOptions`` or a dict of its fields (``{"matrix_approximation_rank": 4}``).
         bucket_cap_mb, first_bucket_cap_mb, find_unused_parameters, broadcast_buffers,
             gradient_as_bucket_view: passed to :class:`lightning_ddpx.DistributedDataParallel`.
+
+    The options are read back as attributes (``strategy.comm_hook``, ``strategy.powersgd``, ...) from
+    ``strategy.ddpx_config``, the :class:`~lightning_ddpx.config.DDPXConfig` shared with the Fabric strategy
+    (:mod:`lightning_ddpx.fabric`).
     """
 
     strategy_name = "ddpx"
@@ -106,10 +94,17 @@ class DDPXStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         # Validate everything before Lightning sees the strategy: a typo fails at once, not after launch.
-        _check_bucket_caps(bucket_cap_mb, first_bucket_cap_mb)
-        comm_hook = _resolve_comm_hook(comm_hook)
-        _check_hook_arguments(comm_hook, comm_state, comm_wrapper)
-        powersgd_options = _powersgd_options(comm_hook, powersgd)
+        self.ddpx_config = DDPXConfig(
+            comm_hook=comm_hook,
+            comm_state=comm_state,
+            comm_wrapper=comm_wrapper,
+            powersgd=powersgd,
+            bucket_cap_mb=bucket_cap_mb,
+            first_bucket_cap_mb=first_bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters,
+            broadcast_buffers=broadcast_buffers,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+        )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -123,15 +118,6 @@ class DDPXStrategy(DDPStrategy):
         # Lightning's redirection toggles torch-DDP attributes in manual optimisation; ours needs none of it
         # (see training_step/pre_backward), so use the plain one.
         self._forward_redirection = _ForwardRedirection()
-        self.comm_hook = comm_hook
-        self.comm_state = comm_state
-        self.comm_wrapper = comm_wrapper
-        self.powersgd = powersgd_options
-        self.bucket_cap_mb = float(bucket_cap_mb)
-        self.first_bucket_cap_mb = float(first_bucket_cap_mb)
-        self.find_unused_parameters = find_unused_parameters
-        self.broadcast_buffers = broadcast_buffers
-        self.gradient_as_bucket_view = gradient_as_bucket_view
         self._hook_state: Any = None  # the state registered with the module (built or given)
         self._hook_registered = False  # a module was set up with the hook: there is state worth saving
         # (entry,) once load_checkpoint ran -- entry is None for a checkpoint without hook state -- until the
@@ -141,19 +127,6 @@ class DDPXStrategy(DDPStrategy):
         self._sync_blocked = 0  # depth of block_backward_sync(); read by manual optimisation
 
     # ------------------------------------------------------------------------------------ description
-    @property
-    def hook_name(self) -> str:
-        """How checkpoints identify the hook: ``"powersgd"``, ``"fp16(powersgd)"``, ``"module.function"``."""
-        if self.comm_hook is None:
-            base = "allreduce"
-        elif isinstance(self.comm_hook, str):
-            base = self.comm_hook
-        else:
-            module = getattr(self.comm_hook, "__module__", None)
-            qualname = getattr(self.comm_hook, "__qualname__", type(self.comm_hook).__qualname__)
-            base = f"{module}.{qualname}" if module else qualname
-        return f"{self.comm_wrapper}({base})" if self.comm_wrapper else base
-
     @property
     def comm_hook_state(self) -> Any:
         """The registered hook's state (e.g. the ``PowerSGDState``), once ``setup`` has built it."""
@@ -195,37 +168,15 @@ class DDPXStrategy(DDPStrategy):
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
-        return DistributedDataParallel(
-            model,
-            bucket_cap_mb=self.bucket_cap_mb,
-            first_bucket_cap_mb=self.first_bucket_cap_mb,
-            find_unused_parameters=self.find_unused_parameters,
-            broadcast_buffers=self.broadcast_buffers,
-            gradient_as_bucket_view=self.gradient_as_bucket_view,
-        )
+        return self.ddpx_config.wrap(model)
 
     @override
     def _register_ddp_hooks(self) -> None:
         """Build and register the communication hook, on every device type (CPU included)."""
         assert isinstance(self.model, DistributedDataParallel)
-        self._hook_registered = True
-        if self.comm_hook is None:
-            self._hook_state = None
-            return
         log.debug(f"{type(self).__name__}: registering comm hook {self.hook_name}")
-        if isinstance(self.comm_hook, str):
-            state, hook = build_comm_hook(
-                self.comm_hook,
-                process_group=self.model.process_group,
-                powersgd=self.powersgd,
-                wrapper=self.comm_wrapper,
-            )
-        else:
-            state, hook = self.comm_state, self.comm_hook
-            if self.comm_wrapper is not None:
-                hook = _WRAPPERS[self.comm_wrapper](hook)
-        self.model.register_comm_hook(state, hook)
-        self._hook_state = state
+        self._hook_state = self.ddpx_config.register_hook(self.model)
+        self._hook_registered = True
 
     # ------------------------------------------------------------------------------ forward / backward
     @override
@@ -284,12 +235,10 @@ class DDPXStrategy(DDPStrategy):
         Weights-only checkpoints (no optimizer states) stay weights only.
         """
         if self._hook_registered and "optimizer_states" in checkpoint and dist.is_initialized():
-            entry = checkpoint_state.gather_entry(self._hook_state, self.hook_name, dist.group.WORLD)
+            # After fit the module is unwrapped: the hook state outlives it, the bucket layout does not.
+            module = self.model if isinstance(self.model, DistributedDataParallel) else None
+            entry = self.ddpx_config.hook_entry(self._hook_state, module, dist.group.WORLD)
             if entry is not None:
-                if isinstance(self.model, DistributedDataParallel):
-                    # Rank 0's layout is every rank's (the rebuild broadcasts it). Hook state is keyed by
-                    # bucket, so the resumed run must reduce the same buckets from its first step.
-                    entry["bucket_layout"] = self.model.reducer_state_dict()
                 checkpoint[checkpoint_state.CHECKPOINT_KEY] = entry
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
@@ -306,27 +255,9 @@ class DDPXStrategy(DDPStrategy):
         pending, self._pending_hook_entry = self._pending_hook_entry, None
         if pending is None:
             return
+        assert isinstance(self.model, DistributedDataParallel)
         (entry,) = pending
-        self._restore_bucket_layout(entry)
-        stateful = checkpoint_state.is_stateful(self._hook_state)
-        restore = checkpoint_state.select_for_rank(
-            entry, self.hook_name, stateful, self.global_rank, self.world_size
-        )
-        if restore.warning:
-            rank_zero_warn(restore.warning)
-        checkpoint_state.apply_restore(self._hook_state, restore)
-
-    def _restore_bucket_layout(self, entry: Any) -> None:
-        layout = entry.get("bucket_layout") if isinstance(entry, dict) else None
-        if layout is None or not isinstance(self.model, DistributedDataParallel):
-            return
-        try:
-            self.model.load_reducer_state_dict(layout)
-        except (ValueError, KeyError, TypeError) as error:
-            rank_zero_warn(
-                f"lightning_ddpx: the checkpoint's bucket layout does not fit this model ({error}); buckets are "
-                "planned afresh, so stateful hook memory may be reset on the first step."
-            )
+        self.ddpx_config.restore_hook_entry(self.model, self._hook_state, entry)
 
     # -------------------------------------------------------------------------------------- teardown
     @override
@@ -377,96 +308,6 @@ class DDPXStrategy(DDPStrategy):
         for name, description, init_params in entries:
             # override=True: re-importing (or reloading) lightning_ddpx must not fail on its own names
             strategy_registry.register(name, cls, description=description, override=True, **init_params)
-
-
-def _check_bucket_caps(bucket_cap_mb: float, first_bucket_cap_mb: float) -> None:
-    for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"DDPXStrategy: {name} must be a positive number of MiB, got {value!r}.")
-
-
-def _check_hook_arguments(comm_hook: Any, comm_state: Any, comm_wrapper: Any) -> None:
-    if comm_wrapper is not None and comm_wrapper not in _WRAPPERS:
-        raise ValueError(
-            f"DDPXStrategy: comm_wrapper must be one of {sorted(_WRAPPERS)} or None, got {comm_wrapper!r}."
-        )
-    if comm_hook is None:
-        if comm_wrapper is not None:
-            raise ValueError(
-                f"DDPXStrategy: comm_wrapper={comm_wrapper!r} wraps a hook, but comm_hook is None. For compressed "
-                f"allreduce use comm_hook={comm_wrapper!r}; to compress another hook name it, e.g. "
-                f"comm_hook='powersgd', comm_wrapper={comm_wrapper!r}."
-            )
-        if comm_state is not None:
-            raise ValueError(
-                "DDPXStrategy: comm_state is given but comm_hook is None; pass the hook it belongs to."
-            )
-        return
-    if isinstance(comm_hook, str):  # a registered name (_resolve_comm_hook imported anything else)
-        if comm_state is not None:
-            raise ValueError(
-                f"DDPXStrategy: comm_state is for callable hooks; the named hook {comm_hook!r} builds its own state "
-                "(configure PowerSGD through powersgd=...)."
-            )
-        return
-    if not callable(comm_hook):
-        raise TypeError(
-            f"DDPXStrategy: comm_hook must be a registered name or a callable hook(state, bucket), got "
-            f"{type(comm_hook).__name__}."
-        )
-
-
-def _resolve_comm_hook(comm_hook: Any) -> Any:
-    """A registered name stays a name; any other string is imported as ``package.module.function``.
-
-    Strings are how YAML and command lines name hooks: ``comm_hook: powersgd`` or
-    ``comm_hook: torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook``.
-    """
-    if not isinstance(comm_hook, str):
-        return comm_hook
-    names = available_hooks()
-    if comm_hook in names:
-        return comm_hook
-    unknown = (
-        f"DDPXStrategy: unknown comm_hook {comm_hook!r}. Registered names: {', '.join(names)}; or the import "
-        "path of a hook(state, bucket) -> torch.futures.Future (e.g. "
-        "'torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook'), or the callable itself."
-    )
-    module_name, _, attribute = comm_hook.rpartition(".")
-    if not module_name:
-        raise ValueError(unknown)
-    try:
-        hook = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"{unknown} Importing it failed: {error}") from None
-    if not callable(hook):
-        raise ValueError(f"{unknown} {comm_hook!r} is a {type(hook).__name__}, not a callable.")
-    return hook
-
-
-def _powersgd_options(comm_hook: Any, powersgd: Any) -> PowerSGDOptions | None:
-    """Validate ``powersgd`` now (a typo in an option name fails in the constructor) and return the dataclass.
-
-    Parsing is the hooks package's (``PowerSGDOptions.from_dict``); this only adds the check that the options
-    go with a hook that takes them.
-    """
-    if powersgd is None:
-        return None
-    if not isinstance(comm_hook, str) or comm_hook in _OPTIONLESS_HOOKS:
-        raise ValueError(
-            f"DDPXStrategy: powersgd options are given but comm_hook is {comm_hook!r}, which takes none. "
-            f"Set comm_hook to one of {list(_POWERSGD_HOOKS)} or drop powersgd=..."
-        )
-    if isinstance(powersgd, PowerSGDOptions):
-        return powersgd
-    if isinstance(powersgd, Mapping):
-        try:
-            return PowerSGDOptions.from_dict(dict(powersgd))
-        except (TypeError, ValueError) as error:
-            raise type(error)(f"DDPXStrategy: powersgd={dict(powersgd)!r}: {error}") from None
-    raise TypeError(
-        f"DDPXStrategy: powersgd must be a PowerSGDOptions or a dict of its fields, got {type(powersgd).__name__}."
-    )
 
 
 def _remove_gradient_hooks(module: DistributedDataParallel) -> None:

@@ -1,0 +1,292 @@
+"""The options both ``DDPXStrategy`` classes take (Lightning Trainer and Fabric), and what they do to a model.
+
+One :class:`DDPXConfig` holds the communication hook and the module options, validated when it is built, so
+both strategies fail on the same typo with the same message before any process starts. It then does the
+work the two strategies share: wrap a module in :class:`lightning_ddpx.DistributedDataParallel` and register
+the hook on it (on every device type, CPU included), name the hook for checkpoints, and write or restore the
+hook's checkpoint entry with the bucket layout (the entry format is :mod:`lightning_ddpx.checkpoint_state`'s).
+What differs between Trainer and Fabric -- when a model is set up, where the entry sits in the file -- stays
+in the strategies.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Mapping, Optional, Union
+
+import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from torch import nn
+
+from lightning_ddpx import checkpoint_state
+from lightning_ddpx.distributed import DistributedDataParallel
+from lightning_ddpx.hooks import (
+    PowerSGDOptions,
+    available_hooks,
+    bf16_compress_wrapper,
+    build_comm_hook,
+    fp16_compress_wrapper,
+)
+
+__all__ = ["CommHookFn", "DDPXConfig", "DDPXConfigAttributes"]
+
+CommHookFn = Callable[[Any, Any], Any]  # hook(state, bucket: GradBucket) -> torch.futures.Future[Tensor]
+
+_WRAPPERS: dict[str, Callable[[CommHookFn], CommHookFn]] = {
+    "fp16": fp16_compress_wrapper,
+    "bf16": bf16_compress_wrapper,
+}
+_POWERSGD_HOOKS = ("powersgd", "batched_powersgd")  # the built-in names that take PowerSGDOptions
+_OPTIONLESS_HOOKS = ("allreduce", "fp16", "bf16", "noop")  # the built-in names that take none
+
+
+@dataclass(frozen=True)
+class DDPXConfig:
+    """Validated DDPX options. Building one raises on any bad option, naming it and the fix.
+
+    ``comm_hook`` given as an import path is imported, ``powersgd`` given as a dict becomes
+    :class:`~lightning_ddpx.hooks.PowerSGDOptions`, and the bucket caps become floats.
+    """
+
+    # A registered hook name, a callable hook(state, bucket), or its import path; None: mean allreduce.
+    comm_hook: Optional[Union[str, CommHookFn]] = None
+    # The state passed to a callable comm_hook (named hooks build their own).
+    comm_state: Optional[Any] = None
+    # "fp16"/"bf16": compress each bucket before the hook, decompress its result.
+    comm_wrapper: Optional[Literal["fp16", "bf16"]] = None
+    # Options of comm_hook="powersgd"/"batched_powersgd" (a PowerSGDOptions or a dict of its fields).
+    powersgd: Optional[Union[PowerSGDOptions, dict[str, Any]]] = None
+    # The rest goes to lightning_ddpx.DistributedDataParallel unchanged.
+    bucket_cap_mb: float = 25.0
+    first_bucket_cap_mb: float = 1.0
+    find_unused_parameters: bool = False
+    broadcast_buffers: bool = True
+    gradient_as_bucket_view: bool = False
+
+    def __post_init__(self) -> None:
+        _check_bucket_caps(self.bucket_cap_mb, self.first_bucket_cap_mb)
+        comm_hook = _resolve_comm_hook(self.comm_hook)
+        _check_hook_arguments(comm_hook, self.comm_state, self.comm_wrapper)
+        # frozen: normalise through object.__setattr__, once, here
+        object.__setattr__(self, "comm_hook", comm_hook)
+        object.__setattr__(self, "powersgd", _powersgd_options(comm_hook, self.powersgd))
+        object.__setattr__(self, "bucket_cap_mb", float(self.bucket_cap_mb))
+        object.__setattr__(self, "first_bucket_cap_mb", float(self.first_bucket_cap_mb))
+
+    @property
+    def hook_name(self) -> str:
+        """How checkpoints identify the hook: ``"powersgd"``, ``"fp16(powersgd)"``, ``"module.function"``."""
+        if self.comm_hook is None:
+            base = "allreduce"
+        elif isinstance(self.comm_hook, str):
+            base = self.comm_hook
+        else:
+            module = getattr(self.comm_hook, "__module__", None)
+            qualname = getattr(self.comm_hook, "__qualname__", type(self.comm_hook).__qualname__)
+            base = f"{module}.{qualname}" if module else qualname
+        return f"{self.comm_wrapper}({base})" if self.comm_wrapper else base
+
+    # ------------------------------------------------------------------------------------------ setup
+    def wrap(
+        self, module: nn.Module, process_group: Optional[dist.ProcessGroup] = None
+    ) -> DistributedDataParallel:
+        """``module`` in our data-parallel module with these options; :meth:`register_hook` adds the hook."""
+        return DistributedDataParallel(
+            module,
+            process_group=process_group,
+            bucket_cap_mb=self.bucket_cap_mb,
+            first_bucket_cap_mb=self.first_bucket_cap_mb,
+            find_unused_parameters=self.find_unused_parameters,
+            broadcast_buffers=self.broadcast_buffers,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+        )
+
+    def register_hook(self, module: DistributedDataParallel) -> Any:
+        """Build the hook (a new state per module for named hooks), register it; return its state.
+
+        ``comm_hook=None`` registers nothing: the module's default is torch's mean allreduce, bit for bit.
+        """
+        if self.comm_hook is None:
+            return None
+        if isinstance(self.comm_hook, str):
+            state, hook = build_comm_hook(
+                self.comm_hook,
+                process_group=module.process_group,
+                powersgd=self.powersgd,
+                wrapper=self.comm_wrapper,
+            )
+        else:
+            state, hook = self.comm_state, self.comm_hook
+            if self.comm_wrapper is not None:
+                hook = _WRAPPERS[self.comm_wrapper](hook)
+        module.register_comm_hook(state, hook)
+        return state
+
+    # ------------------------------------------------------------------------------------ checkpoints
+    def hook_entry(
+        self,
+        hook_state: Any,
+        module: Optional[DistributedDataParallel] = None,
+        group: Optional[dist.ProcessGroup] = None,
+    ) -> Optional[dict[str, Any]]:
+        """The checkpoint entry (every rank's hook state, and the bucket layout of ``module`` if given) on
+        rank 0 of ``group``; ``None`` on the other ranks. A collective: every rank must call it."""
+        group = group if group is not None else (module.process_group if module is not None else None)
+        entry = checkpoint_state.gather_entry(hook_state, self.hook_name, group)
+        if entry is not None and module is not None:
+            # Rank 0's layout is every rank's (the rebuild broadcasts it). Hook state is keyed by bucket,
+            # so the resumed run must reduce the same buckets from its first step.
+            entry["bucket_layout"] = module.reducer_state_dict()
+        return entry
+
+    def restore_hook_entry(self, module: DistributedDataParallel, hook_state: Any, entry: Any) -> None:
+        """Restore ``entry`` (``None``: the checkpoint has none) into ``module``'s layout and ``hook_state``.
+
+        What cannot be restored (other hook, other world size, no entry) is reported once, as a warning: the
+        model and optimizer still resume, and fresh hook state costs a few steps of convergence at most.
+        """
+        _restore_bucket_layout(module, entry)
+        restore = checkpoint_state.select_for_rank(
+            entry, self.hook_name, checkpoint_state.is_stateful(hook_state), module.rank, module.world_size
+        )
+        if restore.warning:
+            rank_zero_warn(restore.warning)
+        checkpoint_state.apply_restore(hook_state, restore)
+
+
+class _ConfigOption:
+    """A read-only strategy attribute that reads the option of the same name from ``strategy.ddpx_config``."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, strategy: Any, owner: Optional[type] = None) -> Any:
+        return self if strategy is None else getattr(strategy.ddpx_config, self.name)
+
+    def __set__(self, strategy: Any, value: Any) -> None:
+        raise AttributeError(
+            f"{type(strategy).__name__}.{self.name} is read-only: the options are validated once, when the "
+            f"strategy is built. Pass {self.name}=... to {type(strategy).__name__}(...) instead."
+        )
+
+
+class DDPXConfigAttributes:
+    """Mixin of both strategies: ``strategy.comm_hook``, ``strategy.powersgd``, ... read ``ddpx_config``,
+    so each option lives in one place. Set ``self.ddpx_config`` in ``__init__``."""
+
+    ddpx_config: DDPXConfig
+    comm_hook = _ConfigOption()
+    comm_state = _ConfigOption()
+    comm_wrapper = _ConfigOption()
+    powersgd = _ConfigOption()
+    bucket_cap_mb = _ConfigOption()
+    first_bucket_cap_mb = _ConfigOption()
+    find_unused_parameters = _ConfigOption()
+    broadcast_buffers = _ConfigOption()
+    gradient_as_bucket_view = _ConfigOption()
+    hook_name = _ConfigOption()
+
+
+# ---------------------------------------------------------------------------------------- validation
+def _check_bucket_caps(bucket_cap_mb: float, first_bucket_cap_mb: float) -> None:
+    for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"DDPXStrategy: {name} must be a positive number of MiB, got {value!r}.")
+
+
+def _check_hook_arguments(comm_hook: Any, comm_state: Any, comm_wrapper: Any) -> None:
+    if comm_wrapper is not None and comm_wrapper not in _WRAPPERS:
+        raise ValueError(
+            f"DDPXStrategy: comm_wrapper must be one of {sorted(_WRAPPERS)} or None, got {comm_wrapper!r}."
+        )
+    if comm_hook is None:
+        if comm_wrapper is not None:
+            raise ValueError(
+                f"DDPXStrategy: comm_wrapper={comm_wrapper!r} wraps a hook, but comm_hook is None. For compressed "
+                f"allreduce use comm_hook={comm_wrapper!r}; to compress another hook name it, e.g. "
+                f"comm_hook='powersgd', comm_wrapper={comm_wrapper!r}."
+            )
+        if comm_state is not None:
+            raise ValueError(
+                "DDPXStrategy: comm_state is given but comm_hook is None; pass the hook it belongs to."
+            )
+        return
+    if isinstance(comm_hook, str):  # a registered name (_resolve_comm_hook imported anything else)
+        if comm_state is not None:
+            raise ValueError(
+                f"DDPXStrategy: comm_state is for callable hooks; the named hook {comm_hook!r} builds its own state "
+                "(configure PowerSGD through powersgd=...)."
+            )
+        return
+    if not callable(comm_hook):
+        raise TypeError(
+            f"DDPXStrategy: comm_hook must be a registered name or a callable hook(state, bucket), got "
+            f"{type(comm_hook).__name__}."
+        )
+
+
+def _resolve_comm_hook(comm_hook: Any) -> Any:
+    """A registered name stays a name; any other string is imported as ``package.module.function``.
+
+    Strings are how YAML and command lines name hooks: ``comm_hook: powersgd`` or
+    ``comm_hook: torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook``.
+    """
+    if not isinstance(comm_hook, str):
+        return comm_hook
+    names = available_hooks()
+    if comm_hook in names:
+        return comm_hook
+    unknown = (
+        f"DDPXStrategy: unknown comm_hook {comm_hook!r}. Registered names: {', '.join(names)}; or the import "
+        "path of a hook(state, bucket) -> torch.futures.Future (e.g. "
+        "'torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook'), or the callable itself."
+    )
+    module_name, _, attribute = comm_hook.rpartition(".")
+    if not module_name:
+        raise ValueError(unknown)
+    try:
+        hook = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"{unknown} Importing it failed: {error}") from None
+    if not callable(hook):
+        raise ValueError(f"{unknown} {comm_hook!r} is a {type(hook).__name__}, not a callable.")
+    return hook
+
+
+def _powersgd_options(comm_hook: Any, powersgd: Any) -> Optional[PowerSGDOptions]:
+    """Validate ``powersgd`` now (a typo in an option name fails in the constructor) and return the dataclass.
+
+    Parsing is the hooks package's (``PowerSGDOptions.from_dict``); this only adds the check that the options
+    go with a hook that takes them.
+    """
+    if powersgd is None:
+        return None
+    if not isinstance(comm_hook, str) or comm_hook in _OPTIONLESS_HOOKS:
+        raise ValueError(
+            f"DDPXStrategy: powersgd options are given but comm_hook is {comm_hook!r}, which takes none. "
+            f"Set comm_hook to one of {list(_POWERSGD_HOOKS)} or drop powersgd=..."
+        )
+    if isinstance(powersgd, PowerSGDOptions):
+        return powersgd
+    if isinstance(powersgd, Mapping):
+        try:
+            return PowerSGDOptions.from_dict(dict(powersgd))
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"DDPXStrategy: powersgd={dict(powersgd)!r}: {error}") from None
+    raise TypeError(
+        f"DDPXStrategy: powersgd must be a PowerSGDOptions or a dict of its fields, got {type(powersgd).__name__}."
+    )
+
+
+def _restore_bucket_layout(module: DistributedDataParallel, entry: Any) -> None:
+    layout = entry.get("bucket_layout") if isinstance(entry, Mapping) else None
+    if layout is None:
+        return
+    try:
+        module.load_reducer_state_dict(layout)
+    except (ValueError, KeyError, TypeError) as error:
+        rank_zero_warn(
+            f"lightning_ddpx: the checkpoint's bucket layout does not fit this model ({error}); buckets are "
+            "planned afresh, so stateful hook memory may be reset on the first step."
+        )
