@@ -175,9 +175,21 @@ def apply_restore(state: Any, restore: Restore) -> None:
 
     Tensors arrive on the CPU (Lightning maps checkpoints there); the state's ``load_state_dict`` places them
     on its own device, since only it knows which belong there (a CPU generator's RNG state must stay put).
+    A state that rejects what it is given (corrupt or edited hook state) fails here, before training
+    continues, with a ``ValueError`` that names the checkpoint entry and how to resume without it.
     """
-    if restore.state_dict is not None:
+    if restore.state_dict is None:
+        return
+    try:
         state.load_state_dict(restore.state_dict)
+    except (KeyError, TypeError, ValueError, IndexError) as error:
+        raise ValueError(
+            f"lightning_ddpx: the communication-hook state in checkpoint[{CHECKPOINT_KEY!r}] (its 'shared' part "
+            f"and this rank's 'per_rank' entry) cannot be restored into {type(state).__qualname__}: "
+            f"{type(error).__name__}: {error} To resume anyway, delete checkpoint[{CHECKPOINT_KEY!r}] from the "
+            "file (the hook state then starts fresh, as with a checkpoint of another hook), or resume from "
+            "another checkpoint."
+        ) from error
 
 
 def _to_device(value: Any, device: torch.device) -> Any:

@@ -18,6 +18,7 @@ from lightning_ddpx.bucketing import BucketInfo, megabytes_to_bytes
 from lightning_ddpx.comm_stats import CommStatsSummary, StepCommStats
 from lightning_ddpx.consistency import broadcast_from_rank0, verify_same_parameters
 from lightning_ddpx.errors import waiting_for
+from lightning_ddpx.hooks.backend_support import check_bf16_hook
 from lightning_ddpx.reducer import CommHook, Phase, Reducer
 
 __all__ = ["DistributedDataParallel"]
@@ -136,8 +137,19 @@ class DistributedDataParallel(nn.Module):
     def no_sync(self) -> Iterator[None]:
         """Skip synchronisation for forward+backward passes inside; the next synchronised one averages all.
 
-        Wrap the forward too: whether a backward synchronises is decided when its forward runs.
+        Wrap the forward too: whether a backward synchronises is decided when its forward runs. Entering
+        it while this rank's backward is already reducing (from a gradient hook or a backward callback) is
+        an error: this rank has launched buckets the other ranks are reducing with it, so the iteration
+        must finish as it started.
         """
+        if self.reducer.phase is Phase.REDUCING:
+            raise RuntimeError(
+                f"lightning_ddpx (rank {self.rank}): no_sync() was entered while this rank's backward is already "
+                "reducing gradients (from a gradient hook or a backward callback). This rank has already "
+                "started reducing buckets, so the other ranks would wait for the rest of them and fall out of "
+                "step. Enter no_sync() before the forward whose backward should not synchronise: whether a "
+                "backward synchronises is decided when its forward runs."
+            )
         previous = self.require_backward_grad_sync
         self.require_backward_grad_sync = False
         try:
@@ -163,6 +175,8 @@ class DistributedDataParallel(nn.Module):
                 "lightning_ddpx: register_comm_hook must be called before the first backward; "
                 f"{self.reducer.iterations_synced} synchronised iteration(s) already ran with the default hook."
             )
+        # Every rank registers its hook here, so backends of unknown bfloat16 support may be probed.
+        check_bf16_hook(hook, self.process_group, self.device, probe=True)
         self.reducer.register_comm_hook(state, hook)
         self._hook_registered = True
 

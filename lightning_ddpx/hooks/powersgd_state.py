@@ -25,6 +25,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lightning_ddpx.hooks.powersgd_state_check import check_state_dict
+
 __all__ = ["CompressionStats", "PowerSGDOptions", "PowerSGDState", "RankMemory", "SharedMemory"]
 
 _STATE_DICT_VERSION = 1
@@ -300,7 +302,10 @@ class PowerSGDState:
 
         ``per_rank`` may be empty or missing (e.g. resuming on another world size): error feedback then
         starts from zero. Memory saved with another ``matrix_approximation_rank`` cannot be reused and is
-        dropped with a warning; options themselves always come from this state, not the checkpoint.
+        dropped with a warning (so is memory saved with another ``min_compression_rate``, which changes
+        what is compressed); options themselves always come from this state, not the checkpoint. The whole
+        ``state_dict`` is checked before anything is adopted: a missing entry or one of the wrong type or
+        size raises ``ValueError`` naming it, and this state is left unchanged.
         """
         if not isinstance(state_dict, dict) or "shared" not in state_dict:
             raise ValueError(
@@ -308,18 +313,30 @@ class PowerSGDState:
                 f"state_dict(), got {type(state_dict).__name__} with keys {list(state_dict)[:5] if isinstance(state_dict, dict) else '-'}"
             )
         shared_in, rank_in = state_dict["shared"], state_dict.get("per_rank") or {}
-        version = shared_in.get("version")
+        version = shared_in.get("version") if isinstance(shared_in, dict) else _STATE_DICT_VERSION
         if version != _STATE_DICT_VERSION:
             raise ValueError(
                 f"PowerSGD state_dict version {version!r} is not supported (this version reads "
                 f"{_STATE_DICT_VERSION}); it was written by another lightning-ddpx release."
             )
-        saved_rank = shared_in.get("options", {}).get("matrix_approximation_rank")
-        keep_memory = saved_rank == self.options.matrix_approximation_rank
+        options = self.options
+        saved = shared_in.get("options") if isinstance(shared_in, dict) else None
+        saved = saved if isinstance(saved, dict) else {}
+        # Which matrices are compressed, and so the memory's sizes, depends on these two options.
+        changed = [
+            f"{name}={saved.get(name)} (this state uses {getattr(options, name)})"
+            for name in ("matrix_approximation_rank", "min_compression_rate")
+            if saved.get(name) != getattr(options, name)
+        ]
+        keep_memory = not changed
+        check_state_dict(
+            state_dict, options.matrix_approximation_rank, options.min_compression_rate,
+            options.batch_tensors_with_same_shape, sizes=keep_memory,
+        )  # fmt: skip
         if not keep_memory:
             warnings.warn(
-                f"PowerSGD state was saved with matrix_approximation_rank={saved_rank}, this state uses "
-                f"{self.options.matrix_approximation_rank}: warm-start and error-feedback memory are reset.",
+                f"PowerSGD state was saved with {' and '.join(changed)}: warm-start and error-feedback memory "
+                "are reset.",
                 stacklevel=2,
             )
         rng_state = shared_in["rng_state"].tolist()

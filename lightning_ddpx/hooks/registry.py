@@ -11,6 +11,7 @@ from typing import Any, Callable, Protocol
 
 import torch.distributed as dist
 
+from lightning_ddpx.hooks.backend_support import check_bf16_hook
 from lightning_ddpx.hooks.default import (
     CommHook,
     allreduce_hook,
@@ -89,7 +90,8 @@ def build_comm_hook(
     ``powersgd`` configures the PowerSGD names (a :class:`PowerSGDOptions` or a dict of its fields; torch's
     defaults if omitted). ``wrapper`` (``"fp16"`` or ``"bf16"``) casts the bucket before the hook and the
     result back, e.g. ``build_comm_hook("powersgd", wrapper="fp16")`` sends P and Q in half precision.
-    Everything is validated here, before any communication.
+    Everything is validated here, before any communication, including (once a process group exists)
+    that the backend can reduce bfloat16 when the hook or wrapper is ``"bf16"``.
     """
     factory = _REGISTRY.get(name) if isinstance(name, str) else None
     if factory is None:
@@ -105,6 +107,10 @@ def build_comm_hook(
     state, hook = factory(process_group, powersgd)
     if wrapper is not None:
         hook = _WRAPPERS[wrapper](hook)
+    if dist.is_available() and dist.is_initialized():
+        # Known backends only (no probe: not every rank need build hooks at the same point); register_comm_hook
+        # checks again, probing backends whose bfloat16 support is unknown.
+        check_bf16_hook(hook, process_group)
     return state, hook
 
 
