@@ -1,5 +1,6 @@
 """lightning-ddpx: a data-parallel module on our own bucketed gradient reducer, and its Lightning strategy."""
 
+from lightning_ddpx import fabric  # noqa: F401 - registers "ddpx", ... with Fabric (its own DDPXStrategy)
 from lightning_ddpx.bucketing import BucketInfo
 from lightning_ddpx.comm_stats import CommStatsSummary, StepCommStats
 from lightning_ddpx.distributed import DistributedDataParallel

@@ -1,0 +1,239 @@
+"""``DDPXStrategy`` for Lightning Fabric: ``Fabric(strategy="ddpx")`` on lightning_ddpx's module and hooks.
+
+The Fabric twin of :class:`lightning_ddpx.DDPXStrategy` (the Trainer one): the same options, validated and
+applied by the same :class:`~lightning_ddpx.config.DDPXConfig`. Launching and rendezvous stay Fabric's (we
+subclass its ``DDPStrategy``). What changes:
+
+- ``fabric.setup(model, ...)`` wraps the model in :class:`lightning_ddpx.DistributedDataParallel` and
+  registers the communication hook, on every device type (CPU included);
+- ``fabric.no_backward_sync(model)`` uses our module's ``no_sync()`` (gradient accumulation);
+- ``fabric.save(path, state)`` adds every rank's hook state (and the bucket layout) of each of our modules in
+  ``state``, and ``fabric.load(path, state)`` restores it, so a resumed PowerSGD run continues exactly.
+
+Importing :mod:`lightning_ddpx` registers the names (``"ddpx"``, ``"ddpx_spawn"``, ``"ddpx_powersgd"``, ...)
+with Fabric's strategy registry.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import AbstractContextManager, nullcontext
+from datetime import timedelta
+from typing import Any, Callable, Literal, Mapping, Optional, Union
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.types import _PATH
+from torch import nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_ddpx.checkpoint_state import CHECKPOINT_KEY
+from lightning_ddpx.config import CommHookFn, DDPXConfig, DDPXConfigAttributes
+from lightning_ddpx.distributed import DistributedDataParallel
+from lightning_ddpx.hooks import PowerSGDOptions
+
+__all__ = ["DDPXStrategy"]
+
+log = logging.getLogger(__name__)
+
+
+class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
+    """Fabric's multi-process data parallelism with lightning_ddpx's gradient reducer and communication hooks.
+
+    Takes every argument of Fabric's ``DDPStrategy`` except torch's DDP kwargs, plus the options of the
+    Trainer strategy (:class:`lightning_ddpx.DDPXStrategy`), with the same meaning and the same checks:
+
+    Args:
+        comm_hook: a registered hook name (``lightning_ddpx.hooks.available_hooks()``), a callable
+            ``hook(state, bucket) -> Future[Tensor]``, or its import path. ``None``: plain mean allreduce.
+        comm_state: the state passed to a callable ``comm_hook``. Named hooks build their own, one per model.
+        comm_wrapper: ``"fp16"`` or ``"bf16"`` to compress buckets before the hook and decompress after.
+        powersgd: options of ``comm_hook="powersgd"``/``"batched_powersgd"`` (``PowerSGDOptions`` or a dict).
+        bucket_cap_mb, first_bucket_cap_mb, find_unused_parameters, broadcast_buffers,
+            gradient_as_bucket_view: passed to :class:`lightning_ddpx.DistributedDataParallel`.
+    """
+
+    def __init__(
+        self,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision: Optional[Precision] = None,
+        comm_hook: Optional[Union[str, CommHookFn]] = None,
+        comm_state: Optional[Any] = None,
+        comm_wrapper: Optional[Literal["fp16", "bf16"]] = None,
+        powersgd: Optional[Union[PowerSGDOptions, dict[str, Any]]] = None,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float = 1.0,
+        find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
+        gradient_as_bucket_view: bool = False,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        # Validate before Fabric sees the strategy: a typo fails at once, not after launch.
+        self.ddpx_config = DDPXConfig(
+            comm_hook=comm_hook,
+            comm_state=comm_state,
+            comm_wrapper=comm_wrapper,
+            powersgd=powersgd,
+            bucket_cap_mb=bucket_cap_mb,
+            first_bucket_cap_mb=first_bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters,
+            broadcast_buffers=broadcast_buffers,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+        )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self._backward_sync_control = _DDPXBackwardSyncControl()
+
+    # ------------------------------------------------------------------------------------------ setup
+    @override
+    def setup_module(self, module: nn.Module) -> DistributedDataParallel:
+        """Wrap ``module`` (already on its device) in our module and register the hook.
+
+        Each module set up gets its own hook state (for named hooks); ``comm_state`` given with a callable
+        hook is shared by all of them.
+        """
+        log.debug(
+            f"{type(self).__name__}: wrapping in lightning_ddpx.DistributedDataParallel, {self.hook_name}"
+        )
+        wrapped = self.ddpx_config.wrap(module)
+        self.ddpx_config.register_hook(wrapped)
+        return wrapped
+
+    @override
+    def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        """The wrapped model's own state dict (no ``module.`` prefix), as Fabric's DDP strategy saves."""
+        return super().get_module_state_dict(_unwrap(module))
+
+    @override
+    def load_module_state_dict(
+        self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True
+    ) -> None:
+        super().load_module_state_dict(_unwrap(module), state_dict, strict=strict)
+
+    # ----------------------------------------------------------------------------------- checkpoints
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Union[nn.Module, Optimizer, Any]],
+        storage_options: Optional[Any] = None,
+        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
+    ) -> None:
+        """Add ``state[key]``'s hook entry for each of our modules in ``state``, then let rank 0 write.
+
+        The entries go under ``checkpoint["lightning_ddpx"][key]`` (``key``: the model's key in ``state``),
+        each in the Trainer strategy's entry format. Fabric calls this on every rank, as gathering needs.
+        """
+        modules = _our_modules(state)
+        if modules:
+            if CHECKPOINT_KEY in state:
+                raise ValueError(
+                    f"DDPXStrategy: fabric.save got a state with the key {CHECKPOINT_KEY!r}, which holds the "
+                    "communication-hook state of the models in the checkpoint. Rename that entry of your state."
+                )
+            entries = {
+                key: self.ddpx_config.hook_entry(module.comm_hook_state, module)
+                for key, module in modules.items()
+            }
+            if self.is_global_zero:
+                state = {**state, CHECKPOINT_KEY: entries}
+        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: Optional[Union[nn.Module, Optimizer, dict[str, Union[nn.Module, Optimizer, Any]]]] = None,
+        strict: bool = True,
+        weights_only: Optional[bool] = None,
+    ) -> dict[str, Any]:
+        """Load as Fabric does, then restore each of our modules' hook state and bucket layout.
+
+        A model whose entry is missing (a checkpoint of another strategy) or does not fit (another hook,
+        another world size) resumes with fresh hook state and a warning, as in the Trainer strategy.
+        """
+        remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        modules = _our_modules(state) if isinstance(state, Mapping) else {}
+        if not modules:
+            return remainder
+        entries = remainder.pop(CHECKPOINT_KEY, None)
+        for key, module in modules.items():
+            entry = entries.get(key) if isinstance(entries, Mapping) else None
+            self.ddpx_config.restore_hook_entry(module, module.comm_hook_state, entry)
+        return remainder
+
+    # ------------------------------------------------------------------------------------- registry
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        entries: tuple[tuple[str, str, dict[str, Any]], ...] = (
+            ("ddpx", "lightning_ddpx DDP, processes launched as scripts (like 'ddp')", {}),
+            (
+                "ddpx_spawn",
+                "lightning_ddpx DDP, processes spawned (like 'ddp_spawn')",
+                {"start_method": "spawn"},
+            ),
+            (
+                "ddpx_find_unused_parameters_true",
+                "lightning_ddpx DDP with find_unused_parameters=True",
+                {"find_unused_parameters": True},
+            ),
+            ("ddpx_fp16", "lightning_ddpx DDP with fp16-compressed allreduce", {"comm_hook": "fp16"}),
+            (
+                "ddpx_powersgd",
+                "lightning_ddpx DDP with PowerSGD (default options)",
+                {"comm_hook": "powersgd"},
+            ),
+        )
+        for name, description, init_params in entries:
+            # override=True: re-importing (or reloading) lightning_ddpx must not fail on its own names
+            strategy_registry.register(name, cls, description=description, override=True, **init_params)
+
+
+class _DDPXBackwardSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: our module's ``no_sync()``; wrap the forward too."""
+
+    @override
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        if not enabled:
+            return nullcontext()
+        if not isinstance(module, DistributedDataParallel):
+            raise TypeError(
+                "DDPXStrategy: fabric.no_backward_sync needs a model set up by this strategy (wrapped in "
+                f"lightning_ddpx.DistributedDataParallel), got {type(module).__name__}. Call "
+                "model = fabric.setup(model, ...) first."
+            )
+        return module.no_sync()
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+def _our_modules(state: Any) -> dict[str, DistributedDataParallel]:
+    """The top-level entries of a ``fabric.save``/``fabric.load`` state that are our modules, in order."""
+    if not isinstance(state, Mapping):
+        return {}
+    return {key: obj for key, obj in state.items() if isinstance(obj, DistributedDataParallel)}
+
+
+DDPXStrategy.register_strategies(STRATEGY_REGISTRY)
