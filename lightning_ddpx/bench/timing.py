@@ -1,0 +1,136 @@
+"""Timing on a noisy shared machine: interleave contenders in short blocks and compare same-round pairs.
+
+Why: the CPU machines these benchmarks run on drift by 15-30 % between runs (other jobs, frequency), so an
+absolute millisecond figure says little. Every contender therefore runs in the *same* processes,
+alternating in short blocks, and comparisons use the ratio of step times measured close together.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["PairSummary", "format_table", "interleaved_timing", "percentile", "summarize_pair"]
+
+
+def interleaved_timing(
+    steps: Mapping[str, Callable[[], None]],
+    timed_steps: int,
+    warmup_steps: int,
+    block: int,
+    on_block: Callable[[int, int, dict[str, list[float]]], None] | None = None,
+    after_step: Mapping[str, Callable[[], None]] | None = None,
+) -> dict[str, list[float]]:
+    """Time each contender's step ``timed_steps`` times, alternating contenders in blocks of ``block`` steps.
+
+    Why interleave: on a shared machine the speed of the CPU changes over seconds (other jobs, frequency,
+    thermal). Timing all of A and then all of B turns that drift into a fake A/B difference; alternating short
+    blocks exposes both to the same conditions. The order inside a round is reversed every other round
+    (A B, B A, A B, ...) so neither contender always runs right after the other one (cold caches, a
+    collective still draining). Every contender first runs ``warmup_steps`` untimed steps (round-robin), which
+    must cover lazy initialisation such as DDP's bucket rebuild after the first iteration.
+
+    Returns seconds per timed step, by contender; entry ``i`` of every list belongs to the same round, so
+    ``a[i] / b[i]`` compares steps measured close together. ``on_block(round, rounds, times_of_round)`` is
+    called after each round (for live progress), ``after_step[name]()`` after each timed step (diagnostics).
+    """
+    if timed_steps < 1 or block < 1 or warmup_steps < 0:
+        raise ValueError(
+            f"need timed_steps >= 1, block >= 1, warmup_steps >= 0; got {timed_steps}, {block}, "
+            f"{warmup_steps}"
+        )
+    names = list(steps)
+    for _ in range(warmup_steps):
+        for name in names:
+            steps[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    rounds = math.ceil(timed_steps / block)
+    clock = time.perf_counter
+    for r in range(rounds):
+        count = min(block, timed_steps - r * block)
+        this_round: dict[str, list[float]] = {}
+        for name in names if r % 2 == 0 else reversed(names):
+            step, hook = steps[name], (after_step or {}).get(name)
+            samples = []
+            for _ in range(count):
+                started = clock()
+                step()
+                samples.append(clock() - started)
+                if hook is not None:
+                    hook()
+            this_round[name] = samples
+            times[name].extend(samples)
+        if on_block is not None:
+            on_block(r, rounds, {name: this_round[name] for name in names})
+    return times
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) with linear interpolation (numpy's default method)."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100.0
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+@dataclass(frozen=True)
+class PairSummary:
+    """Step times of a baseline and a candidate measured interleaved, and their ratio candidate/baseline.
+
+    ``ratio`` (the headline) is the median of per-pair ratios ``candidate[i] / baseline[i]``: each pair was
+    measured in the same round, so slow phases of the machine cancel out in the pair instead of moving one
+    side's median. ``ratio_p25``/``ratio_p75`` show the spread; ``ratio_of_medians`` is a cross-check.
+    """
+
+    baseline_ms: float  # median
+    candidate_ms: float  # median
+    baseline_p25_ms: float
+    baseline_p75_ms: float
+    candidate_p25_ms: float
+    candidate_p75_ms: float
+    ratio: float
+    ratio_p25: float
+    ratio_p75: float
+    ratio_of_medians: float
+    pairs: int
+
+
+def summarize_pair(baseline_s: Sequence[float], candidate_s: Sequence[float]) -> PairSummary:
+    """Summarise equal-length, round-aligned step times in seconds (from :func:`interleaved_timing`)."""
+    if len(baseline_s) != len(candidate_s) or not baseline_s:
+        raise ValueError(
+            f"need two equally long non-empty lists, got {len(baseline_s)} and {len(candidate_s)}"
+        )
+    ratios = [c / b for b, c in zip(baseline_s, candidate_s)]
+    base = [1e3 * t for t in baseline_s]
+    cand = [1e3 * t for t in candidate_s]
+    return PairSummary(
+        baseline_ms=percentile(base, 50),
+        candidate_ms=percentile(cand, 50),
+        baseline_p25_ms=percentile(base, 25),
+        baseline_p75_ms=percentile(base, 75),
+        candidate_p25_ms=percentile(cand, 25),
+        candidate_p75_ms=percentile(cand, 75),
+        ratio=percentile(ratios, 50),
+        ratio_p25=percentile(ratios, 25),
+        ratio_p75=percentile(ratios, 75),
+        ratio_of_medians=percentile(cand, 50) / percentile(base, 50),
+        pairs=len(ratios),
+    )
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain-text table with right-aligned columns (first column left-aligned), for terminals and logs."""
+    cells = [[str(c) for c in header]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+
+    def line(row: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+
+    return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]])
