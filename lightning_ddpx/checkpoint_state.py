@@ -83,9 +83,31 @@ def _split_state_dict(state: Any, hook: str) -> tuple[dict, dict]:
             "rank, 'per_rank' this rank's own part (see docs/checkpointing.md)."
         )
     shared, per_rank = dict(sd["shared"]), dict(sd["per_rank"])
-    check_plain(shared, f"{type(state).__qualname__}.state_dict()['shared']")
-    check_plain(per_rank, f"{type(state).__qualname__}.state_dict()['per_rank']")
+    where = f"the state of comm hook {hook!r}: {type(state).__qualname__}.state_dict()"
+    check_plain(shared, f"{where}['shared']")
+    check_plain(per_rank, f"{where}['per_rank']")
     return _to_device(shared, torch.device("cpu")), _to_device(per_rank, torch.device("cpu"))
+
+
+def _split_on_every_rank(
+    state: Any, hook: str, rank: int, group: dist.ProcessGroup | None
+) -> tuple[dict, dict]:
+    """:func:`_split_state_dict`, raising the same ``TypeError`` on every rank if it fails on any.
+
+    A rank that raised alone (a value that only it holds is not plain) would leave the others waiting in
+    the gather until the process-group timeout; one small ``all_gather_object`` lets all of them stop.
+    """
+    try:
+        parts, problem = _split_state_dict(state, hook), None
+    except TypeError as error:
+        parts, problem = None, f"lightning_ddpx (rank {rank}): {str(error).removeprefix('lightning_ddpx: ')}"
+    problems: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(problems, problem, group=group)
+    first = next((found for found in problems if found is not None), None)
+    if first is not None:
+        raise TypeError(first)
+    assert parts is not None
+    return parts
 
 
 def gather_entry(state: Any, hook: str, group: dist.ProcessGroup | None = None) -> dict[str, Any] | None:
@@ -105,7 +127,7 @@ def gather_entry(state: Any, hook: str, group: dist.ProcessGroup | None = None) 
     }
     if not is_stateful(state):
         return entry if rank == 0 else None
-    shared, per_rank = _split_state_dict(state, hook)
+    shared, per_rank = _split_on_every_rank(state, hook, rank, group)
     gathered: list[Any] | None = [None] * world_size if rank == 0 else None
     dist.gather_object(
         per_rank, gathered, dst=dist.get_global_rank(group or dist.group.WORLD, 0), group=group
