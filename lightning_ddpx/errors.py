@@ -77,5 +77,6 @@ def _looks_like_communication_failure(error: RuntimeError) -> bool:
             "Connection reset",
             "NCCL",
             "Broken pipe",
+            "timeout caused pair closure",  # gloo, when the peer's link went down (no packets, no reset)
         )
     )
