@@ -1,0 +1,3 @@
+from lightning_ddpx.bench.cli import main
+
+main()

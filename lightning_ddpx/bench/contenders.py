@@ -1,0 +1,116 @@
+"""The configurations the benchmark compares, how each wraps a model, and what each costs in accuracy.
+
+A contender is one way to run data parallelism: torch's DDP (the reference) or our module with one
+communication hook. Accuracy cost is not measured by a timing benchmark, so each contender carries what is
+known about it, and the recommendation only picks among those whose cost is known to be small.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["CONTENDERS", "Contender", "START_POWERSGD_ITER", "contenders_named", "wrap"]
+
+START_POWERSGD_ITER = 2  # compress from the third step, so a short warm-up already reaches compressed steps
+
+_PAPER = "Vogels et al. 2019 matched full-precision accuracy with error feedback at rank 2-4"
+
+
+@dataclass(frozen=True)
+class Contender:
+    """One timed configuration."""
+
+    name: str
+    hook: str | None  # a lightning_ddpx hook name; None: torch's own DistributedDataParallel
+    rank: int | None = None  # PowerSGD matrix_approximation_rank
+    accuracy_cost: str = "none"  # "none" | "small" | "validate" | "not for training"
+    accuracy_note: str = ""
+
+    @property
+    def usable(self) -> bool:
+        """Whether the recommendation may pick it without the user validating accuracy first."""
+        return self.accuracy_cost in ("none", "small")
+
+    def strategy_arguments(self) -> str:
+        """How to get this contender from ``DDPXStrategy`` (what the recommendation prints)."""
+        if self.hook is None:
+            return 'strategy="ddp"'
+        if self.rank is not None:
+            return f'DDPXStrategy(comm_hook="{self.hook}", powersgd={{"matrix_approximation_rank": {self.rank}}})'
+        return f'DDPXStrategy(comm_hook="{self.hook}")'
+
+
+CONTENDERS: tuple[Contender, ...] = (
+    Contender("torch-ddp", None, accuracy_note="torch's DistributedDataParallel: the reference"),
+    Contender("allreduce", "allreduce", accuracy_note="exact average"),
+    Contender("fp16", "fp16", accuracy_cost="small", accuracy_note="fp16 rounding; overflows above 65504"),
+    Contender("bf16", "bf16", accuracy_cost="small", accuracy_note="bf16 rounding (8-bit mantissa)"),
+    Contender("powersgd-r1", "powersgd", 1, "validate", "rank 1 may cost accuracy: validate on your task"),
+    Contender("powersgd-r2", "powersgd", 2, "small", _PAPER),
+    Contender("powersgd-r4", "powersgd", 4, "small", _PAPER),
+    Contender(
+        "batched-r1",
+        "batched_powersgd",
+        1,
+        "validate",
+        "the bucket as one square matrix: coarser than powersgd",
+    ),
+    Contender(
+        "noop", "noop", accuracy_cost="not for training", accuracy_note="no communication: the ceiling"
+    ),
+)
+
+
+def contenders_named(names: list[str] | None) -> tuple[Contender, ...]:
+    """The contenders to run, in the canonical order; ``None`` means all. Unknown names are an error."""
+    if names is None:
+        return CONTENDERS
+    known = {c.name: c for c in CONTENDERS}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown contender(s) {unknown}; choose from {', '.join(known)}")
+    return tuple(c for c in CONTENDERS if c.name in names)
+
+
+def wrap(contender: Contender, module: nn.Module, bucket_cap_mb: float) -> tuple[nn.Module, Any]:
+    """``(data-parallel module, hook state)`` for one contender; collective: every rank calls it in order."""
+    if contender.hook is None:
+        from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+        return TorchDDP(module, bucket_cap_mb=bucket_cap_mb), None
+    from lightning_ddpx import DistributedDataParallel
+    from lightning_ddpx.hooks import build_comm_hook
+
+    ddp = DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb)
+    options = (
+        {"matrix_approximation_rank": contender.rank, "start_powerSGD_iter": START_POWERSGD_ITER}
+        if contender.rank is not None
+        else None
+    )
+    state, hook = build_comm_hook(contender.hook, powersgd=options)
+    ddp.register_comm_hook(state, hook)
+    return ddp, state
+
+
+def gradient_bytes(module: nn.Module) -> int:
+    """Bytes of all trainable gradients: what a plain allreduce sends per step."""
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+
+
+def is_ours(module: nn.Module) -> bool:
+    return hasattr(module, "comm_stats")
+
+
+def first_tensor(output: Any) -> torch.Tensor:
+    """The tensor a synthetic loss is taken from: the output itself, or its first tensor."""
+    if isinstance(output, torch.Tensor):
+        return output
+    values = output.values() if isinstance(output, dict) else output
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            return value
+    raise TypeError(f"the model's output has no tensor to take a loss from: {type(output).__name__}")
