@@ -65,6 +65,9 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             ``PowerSGDOptions`` or a dict of its fields (``{"matrix_approximation_rank": 4}``).
         bucket_cap_mb, first_bucket_cap_mb, find_unused_parameters, broadcast_buffers,
             gradient_as_bucket_view: passed to :class:`lightning_ddpx.DistributedDataParallel`.
+        comm_stats_every_n_steps: log communication statistics (bytes to the hook and sent, compression
+            ratio, time in hooks, exposed communication; per-step means, rank 0's) to the Trainer's loggers
+            under ``ddpx/`` every N synchronised steps. ``None`` (default): nothing is logged.
 
     The options are read back as attributes (``strategy.comm_hook``, ``strategy.powersgd``, ...) from
     ``strategy.ddpx_config``, the :class:`~lightning_ddpx.config.DDPXConfig` shared with the Fabric strategy
@@ -92,8 +95,10 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        comm_stats_every_n_steps: Optional[int] = None,
     ) -> None:
         # Validate everything before Lightning sees the strategy: a typo fails at once, not after launch.
+        _check_stats_interval(comm_stats_every_n_steps)
         self.ddpx_config = DDPXConfig(
             comm_hook=comm_hook,
             comm_state=comm_state,
@@ -125,6 +130,8 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         # object, so the strategy survives pickling (ddpx_spawn).
         self._pending_hook_entry: tuple[Any] | None = None
         self._sync_blocked = 0  # depth of block_backward_sync(); read by manual optimisation
+        self.comm_stats_every_n_steps = comm_stats_every_n_steps
+        self._stats_logged_at = 0  # the synchronised iteration whose statistics were logged last
 
     # ------------------------------------------------------------------------------------ description
     @property
@@ -207,8 +214,26 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
-        """Nothing to do: our reducer finishes each synchronised backward by itself (torch's static-graph
-        first-iteration flush that Lightning's DDPStrategy performs here does not apply)."""
+        """Log communication statistics when due. Nothing else: our reducer finishes each synchronised
+        backward by itself (torch's static-graph first-iteration flush that Lightning's DDPStrategy performs
+        here does not apply)."""
+        if self.comm_stats_every_n_steps:
+            self._log_comm_stats()
+
+    def _log_comm_stats(self) -> None:
+        model, module = self.model, self.lightning_module
+        if not isinstance(model, DistributedDataParallel) or module is None or module._trainer is None:
+            return
+        synced = model.reducer.iterations_synced
+        if synced == 0 or synced % self.comm_stats_every_n_steps or synced == self._stats_logged_at:
+            return  # not a synchronised step that is due (accumulating, or logged already)
+        self._stats_logged_at = synced
+        summary = model.take_comm_stats()
+        if summary is None:
+            return
+        trainer = module._trainer
+        for logger in trainer.loggers:  # rank-zero-only loggers write rank 0's figures
+            logger.log_metrics(summary.as_metrics(), step=trainer.global_step)
 
     @contextmanager
     @override
@@ -308,6 +333,16 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         for name, description, init_params in entries:
             # override=True: re-importing (or reloading) lightning_ddpx must not fail on its own names
             strategy_registry.register(name, cls, description=description, override=True, **init_params)
+
+
+def _check_stats_interval(every_n_steps: Any) -> None:
+    if every_n_steps is None:
+        return
+    if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+        raise ValueError(
+            f"DDPXStrategy: comm_stats_every_n_steps must be a positive number of steps or None (no logging), "
+            f"got {every_n_steps!r}."
+        )
 
 
 def _remove_gradient_hooks(module: DistributedDataParallel) -> None:
