@@ -23,7 +23,6 @@ import re
 import shutil
 import subprocess
 import sys
-import weakref
 from types import TracebackType
 
 __all__ = ["VethLink", "netns_unavailable_reason", "remove_stale_namespaces", "parse_rate"]
@@ -45,7 +44,7 @@ _RATE_UNITS = {  # tc's rate units (SI prefixes; "bps" is *bytes* per second, as
     "tbps": 8e12,
 }
 _COUNTER = itertools.count()
-_LIVE: "weakref.WeakSet[VethLink]" = weakref.WeakSet()  # links to delete at interpreter exit if not closed
+_LIVE: set[VethLink] = set()  # open links, deleted at interpreter exit if the caller never closed them
 
 
 def parse_rate(rate: str) -> float:
@@ -86,6 +85,7 @@ def netns_unavailable_reason() -> str | None:
             return f"`{tool}` not found on PATH: install iproute2 (apt-get install iproute2)"
     probe = f"ddpxprobe-{os.getpid()}"
     try:
+        _run(["ip", "netns", "del", probe], check=False)  # left by a killed process with this pid
         _run(["ip", "netns", "add", probe])
         try:
             _run(["ip", "-n", probe, "link", "add", "p0", "type", "veth", "peer", "name", "p1"])
