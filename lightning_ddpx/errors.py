@@ -38,9 +38,7 @@ def describe_failure(what: str, process_group: dist.ProcessGroup | None, error: 
     rank = dist.get_rank() if dist.is_initialized() else "?"
     text = str(error)
     if "Timed out" in text or "timed out" in text or "timeout" in text.lower():
-        cause = (
-            f"no peer answered within {limit}: another rank stalled, skipped a backward, or is much slower"
-        )
+        cause = f"no peer answered within {limit}: another rank stalled, skipped a backward, is much slower, or the network between ranks is down"
     elif "closed by peer" in text or "Connection reset" in text or "Broken pipe" in text:
         cause = "a peer rank exited or crashed (check its log for the first error)"
     else:

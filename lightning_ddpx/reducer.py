@@ -110,6 +110,7 @@ class Reducer:
         self._observed_order: list[int] = []
         self.last_exposed_comm_s = 0.0
         self.last_step_stats: StepCommStats | None = None
+        self.collect_stats = True  # off only to measure what collecting costs (benchmarks/bench_stats.py)
         self.stats_window = CommStatsWindow()
         self.plan_history: list[tuple[int, list[BucketInfo]]] = []  # (iterations synced before, plan)
         self._install_plan(list(reversed(range(len(self.params)))))
@@ -262,11 +263,15 @@ class Reducer:
                 self._copy_grads_into(b, bucket, self._scale_on_copy)
             elif self._scale_on_copy is not None:
                 bucket.buffer.mul_(self._scale_on_copy)
-            grad_bucket = GradBucket(
-                b, bucket.buffer, bucket.views, bucket.params, b == len(self.buckets) - 1, self._sent_log
-            )
+            is_last = b == len(self.buckets) - 1
+            hook, state = self.hook, self.hook_state
+            if not self.collect_stats:
+                grad_bucket = GradBucket(b, bucket.buffer, bucket.views, bucket.params, is_last)
+                self._futures[b] = self._launcher.submit(lambda: hook(state, grad_bucket))
+                return
+            grad_bucket = GradBucket(b, bucket.buffer, bucket.views, bucket.params, is_last, self._sent_log)
             self._bytes_to_hook += bucket.spec.num_bytes
-            hook, state, hook_seconds = self.hook, self.hook_state, self._hook_seconds
+            hook_seconds = self._hook_seconds
 
             def call_hook() -> torch.futures.Future:
                 started = time.perf_counter()
@@ -319,7 +324,8 @@ class Reducer:
                         used_counts = globally_used.wait()[0].tolist()
                 self.last_exposed_comm_s = time.perf_counter() - started
                 self._write_back(results, used_counts)
-                self._record_step_stats()
+                if self.collect_stats:
+                    self._record_step_stats()
                 succeeded = True
             finally:
                 self._end_iteration(succeeded)

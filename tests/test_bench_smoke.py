@@ -126,3 +126,20 @@ def test_hooks_benchmark_runs_end_to_end(tmp_path) -> None:
     assert tiny["param_max_abs_diff"]["torch-allreduce vs ours-allreduce"] == 0.0
     assert [t["candidate"] for t in tiny["targets"]] == ["ours-powersgd-r1", "ours-fp16", "ours-bf16"]
     assert all(t["summary"]["ratio"] > 0 for t in tiny["targets"])
+
+
+@pytest.mark.slow
+def test_stats_benchmark_runs_end_to_end(tmp_path) -> None:
+    out = tmp_path / "stats.json"
+    command = [
+        sys.executable, os.path.join("benchmarks", "bench_stats.py"),
+        "--models", "tiny", "--steps", "2", "--warmup", "2", "--block", "1", "--json", str(out),
+    ]  # fmt: skip
+    completed = subprocess.run(
+        command, cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    tiny = json.loads(out.read_text())["models"]["tiny"]
+    assert len(tiny["times_s"]["stats-on"]) == len(tiny["times_s"]["stats-off"]) == 2
+    assert tiny["stats_on_last_step"]["bytes_sent"] == tiny["stats_on_last_step"]["bytes_to_hook"] > 0

@@ -1,0 +1,117 @@
+"""What collecting communication statistics costs: our module with statistics on vs off, same run.
+
+    python benchmarks/bench_stats.py                     # mlp, transformer and many; target ratio <= 1.01
+    python benchmarks/bench_stats.py --models many --steps 120 --json stats.json
+
+Two copies of the same model in the same two processes, both ``lightning_ddpx.DistributedDataParallel``
+with the default reduction; one has ``reducer.collect_stats = False``. Timed interleaved (see
+``lightning_ddpx.bench.timing``); the ratio on/off of same-round steps is the cost. ``many`` (300 tensors,
+many buckets) is where per-bucket bookkeeping weighs most.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` and `lightning_ddpx` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from benchmarks.common import (  # noqa: E402
+    MODELS,
+    build_model,
+    environment_info,
+    format_table,
+    interleaved_timing,
+    launch,
+    make_batch,
+    make_train_step,
+    summarize_pair,
+    verdict,
+)
+
+TARGET = 1.01  # statistics on: step time within 1 % of statistics off
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: str
+    steps: int
+    warmup: int
+    block: int
+    seed: int
+
+
+def run_rank(rank: int, world_size: int, config: RunConfig) -> dict[str, Any]:
+    from lightning_ddpx import DistributedDataParallel
+
+    torch.set_flush_denormal(True)
+    wrapped = {}
+    for name in ("stats-off", "stats-on"):
+        wrapped[name] = DistributedDataParallel(build_model(config.model, config.seed))
+    wrapped["stats-off"].reducer.collect_stats = False
+    batch = make_batch(config.model, rank, config.seed)
+    steps = {
+        name: make_train_step(ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3), batch)
+        for name, ddp in wrapped.items()
+    }
+    gc.collect()
+    times = interleaved_timing(steps, config.steps, config.warmup, config.block)
+    logged = wrapped["stats-on"].comm_stats()
+    for ddp in wrapped.values():
+        ddp.close()
+    return {"times_s": times, "stats_on_last_step": asdict(logged) if logged else None}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--models", default="mlp,transformer,many")
+    parser.add_argument("--steps", type=int, default=90)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--block", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        parser.error(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
+    rows, results = [], {"environment": environment_info(), "config": vars(args), "models": {}}
+    for model in models:
+        print(f"[{model}] {MODELS[model].description}: {args.steps} interleaved steps each", flush=True)
+        config = RunConfig(model, args.steps, args.warmup, args.block, args.seed)
+        rank0 = launch(run_rank, (config,), world_size=2)[0]
+        summary = summarize_pair(rank0["times_s"]["stats-off"], rank0["times_s"]["stats-on"])
+        result = verdict(summary.ratio, TARGET if MODELS[model].target_ratio is not None else None)
+        results["models"][model] = {"summary": asdict(summary), "result": result, **rank0}
+        rows.append(
+            [
+                model,
+                f"{summary.baseline_ms:.1f}",
+                f"{summary.candidate_ms:.1f}",
+                f"{summary.ratio:.3f}",
+                f"{summary.ratio_p25:.3f}-{summary.ratio_p75:.3f}",
+                f"<= {TARGET}",
+                result,
+            ]
+        )
+    header = ["model", "stats off ms", "stats on ms", "ratio on/off", "ratio p25-p75", "target", "result"]
+    print("\n" + format_table(header, rows), flush=True)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()
