@@ -3,6 +3,7 @@
 from lightning_ddpx import fabric  # noqa: F401 - registers "ddpx", ... with Fabric (its own DDPXStrategy)
 from lightning_ddpx.bucketing import BucketInfo
 from lightning_ddpx.comm_stats import CommStatsSummary, StepCommStats
+from lightning_ddpx.compile import GraphSplit, compile_model, compiled_graphs
 from lightning_ddpx.distributed import DistributedDataParallel
 from lightning_ddpx.grad_bucket import GradBucket, collectives_issued_on_call, record_bytes_sent
 from lightning_ddpx.strategy import DDPXStrategy  # registers "ddpx", "ddpx_powersgd", ... with Lightning
@@ -13,8 +14,11 @@ __all__ = [
     "DDPXStrategy",
     "DistributedDataParallel",
     "GradBucket",
+    "GraphSplit",
     "StepCommStats",
     "collectives_issued_on_call",
+    "compile_model",
+    "compiled_graphs",
     "record_bytes_sent",
 ]
 __version__ = "0.1.0"

@@ -94,17 +94,28 @@ class DistributedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        will_sync = self._before_forward()
+        output = self.module(*args, **kwargs)
+        self._after_forward(output, will_sync)
+        return output
+
+    # The reducer's bookkeeping is Python state (phases, bucket rebuilds, collectives): under torch.compile it
+    # runs eagerly, outside the graph, so the compiled graph holds only the module's computation.
+    @torch.compiler.disable
+    def _before_forward(self) -> bool:
         will_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         self.reducer.prepare_forward(will_sync)
         if self.broadcast_buffers and self._sync_buffers_next_forward and self.world_size > 1:
             self._broadcast_buffers()
-        output = self.module(*args, **kwargs)
+        return will_sync
+
+    @torch.compiler.disable
+    def _after_forward(self, output: Any, will_sync: bool) -> None:
         self._sync_buffers_next_forward = will_sync
         if will_sync:
             self.reducer.prepare_backward(output)
         else:
             self.reducer.disarm()
-        return output
 
     def _broadcast_buffers(self) -> None:
         buffers = list(self.module.buffers())

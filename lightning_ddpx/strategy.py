@@ -37,6 +37,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_ddpx import checkpoint_state
+from lightning_ddpx.compile import apply_lightning_compile
 from lightning_ddpx.config import CommHookFn, DDPXConfig, DDPXConfigAttributes
 from lightning_ddpx.consistency import broadcast_from_rank0
 from lightning_ddpx.distributed import DistributedDataParallel
@@ -172,6 +173,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         self.model = self._setup_model(self.model)
         self._register_ddp_hooks()
         self._restore_hook_state()
+        apply_lightning_compile(self.model)  # torch.compile(module): split at bucket boundaries
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
