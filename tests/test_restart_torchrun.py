@@ -8,8 +8,8 @@ torchrun (``--max-restarts 1``) starts both ranks again; the reference run has n
 
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: since torch 2.5 torchrun's workers share the agent's TCPStore, and
 keys of the killed attempt survive in it; the restarted process group can then read the dead rank's gloo
-address and fail to connect (pytorch/pytorch#135712; seen here on torch 2.13). With the variable set, every
-attempt bootstraps a fresh store.
+address and fail to connect, or hang (pytorch/pytorch#135712; on torch 2.13 here, 3 of 3 restarts failed
+without it). With the variable set, every attempt bootstraps a fresh store.
 """
 
 from __future__ import annotations
