@@ -143,3 +143,21 @@ def test_stats_benchmark_runs_end_to_end(tmp_path) -> None:
     tiny = json.loads(out.read_text())["models"]["tiny"]
     assert len(tiny["times_s"]["stats-on"]) == len(tiny["times_s"]["stats-off"]) == 2
     assert tiny["stats_on_last_step"]["bytes_sent"] == tiny["stats_on_last_step"]["bytes_to_hook"] > 0
+
+
+@pytest.mark.slow
+def test_compile_benchmark_runs_end_to_end(tmp_path) -> None:
+    out = tmp_path / "compile.json"
+    command = [
+        sys.executable, os.path.join("benchmarks", "bench_compile.py"), "--models", "tiny",
+        "--backend", "aot_eager", "--steps", "2", "--warmup", "3", "--block", "1", "--bucket-cap-mb", "0.0002",
+        "--quiet", "--json", str(out),
+    ]  # fmt: skip
+    completed = subprocess.run(
+        command, cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+        timeout=240,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    tiny = json.loads(out.read_text())["models"]["tiny"]
+    assert all(len(tiny["step_ms"][c]) == 2 for c in ("eager", "whole", "split"))
+    assert tiny["split_vs_whole"]["ratio"] > 0
