@@ -2,6 +2,7 @@
 
 from lightning_ddpx import fabric  # noqa: F401 - registers "ddpx", ... with Fabric (its own DDPXStrategy)
 from lightning_ddpx.bucketing import BucketInfo
+from lightning_ddpx.checkpoint_io import AtomicCheckpointIO
 from lightning_ddpx.comm_stats import CommStatsSummary, StepCommStats
 from lightning_ddpx.compile import GraphSplit, compile_model, compiled_graphs
 from lightning_ddpx.distributed import DistributedDataParallel
@@ -9,6 +10,7 @@ from lightning_ddpx.grad_bucket import GradBucket, collectives_issued_on_call, r
 from lightning_ddpx.strategy import DDPXStrategy  # registers "ddpx", "ddpx_powersgd", ... with Lightning
 
 __all__ = [
+    "AtomicCheckpointIO",
     "BucketInfo",
     "CommStatsSummary",
     "DDPXStrategy",

@@ -33,6 +33,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_ddpx.checkpoint_io import AtomicCheckpointIO
 from lightning_ddpx.checkpoint_state import CHECKPOINT_KEY
 from lightning_ddpx.config import CommHookFn, DDPXConfig, DDPXConfigAttributes
 from lightning_ddpx.distributed import DistributedDataParallel
@@ -102,6 +103,19 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             start_method=start_method,
         )
         self._backward_sync_control = _DDPXBackwardSyncControl()
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """Fabric's default, made atomic (:class:`~lightning_ddpx.checkpoint_io.AtomicCheckpointIO`),
+        unless a CheckpointIO was given."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
+        self._checkpoint_io = io
 
     # ------------------------------------------------------------------------------------------ setup
     @override

@@ -28,6 +28,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -37,6 +38,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_ddpx import checkpoint_state
+from lightning_ddpx.checkpoint_io import AtomicCheckpointIO
 from lightning_ddpx.compile import apply_lightning_compile
 from lightning_ddpx.config import CommHookFn, DDPXConfig, DDPXConfigAttributes
 from lightning_ddpx.consistency import broadcast_from_rank0
@@ -135,6 +137,22 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         self._stats_logged_at = 0  # the synchronised iteration whose statistics were logged last
 
     # ------------------------------------------------------------------------------------ description
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """Lightning's default, made atomic: :class:`~lightning_ddpx.checkpoint_io.AtomicCheckpointIO`
+        unless a CheckpointIO was given (argument or ``Trainer(plugins=...)``); a wrapping plugin such as
+        ``AsyncCheckpointIO`` without an inner IO gets the atomic one inside."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        elif isinstance(self._checkpoint_io, _WrappingCheckpointIO):
+            self._checkpoint_io.checkpoint_io = AtomicCheckpointIO()  # fills only an empty inner slot
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
+        self._checkpoint_io = io
+
     @property
     def comm_hook_state(self) -> Any:
         """The registered hook's state (e.g. the ``PowerSGDState``), once ``setup`` has built it."""

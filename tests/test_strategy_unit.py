@@ -224,3 +224,29 @@ def test_strategy_pickles_for_spawn_without_a_pending_restore():
     copy = pickle.loads(pickle.dumps(strategy))  # what ddpx_spawn does to reach its processes
     assert copy._pending_hook_entry is None
     assert copy.comm_hook == "powersgd" and copy.powersgd == strategy.powersgd
+
+
+def test_checkpoints_are_written_atomically_by_default() -> None:
+    """Both strategies default to AtomicCheckpointIO; a CheckpointIO the user gives wins, without conflict."""
+    from lightning.fabric.plugins import TorchCheckpointIO
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.plugins import AsyncCheckpointIO
+
+    from lightning_ddpx import AtomicCheckpointIO
+    from lightning_ddpx.fabric import DDPXStrategy as FabricDDPXStrategy
+
+    assert type(DDPXStrategy().checkpoint_io) is AtomicCheckpointIO
+    assert type(FabricDDPXStrategy().checkpoint_io) is AtomicCheckpointIO
+    given = TorchCheckpointIO()
+    assert DDPXStrategy(checkpoint_io=given).checkpoint_io is given
+    assert FabricDDPXStrategy(checkpoint_io=given).checkpoint_io is given
+    trainer = Trainer(
+        accelerator="cpu", devices=1, strategy=DDPXStrategy(), plugins=[TorchCheckpointIO()], logger=False
+    )
+    assert type(trainer.strategy.checkpoint_io) is TorchCheckpointIO
+    trainer = Trainer(
+        accelerator="cpu", devices=1, strategy=DDPXStrategy(), plugins=[AsyncCheckpointIO()], logger=False
+    )
+    io = trainer.strategy.checkpoint_io
+    assert isinstance(io, AsyncCheckpointIO) and type(io.checkpoint_io) is AtomicCheckpointIO
+    io.teardown()
