@@ -29,7 +29,7 @@ from lightning_ddpx.hooks import (
     fp16_compress_wrapper,
 )
 
-__all__ = ["CommHookFn", "DDPXConfig", "DDPXConfigAttributes"]
+__all__ = ["CommHookFn", "DDPXConfig", "DDPXConfigAttributes", "STRATEGY_NAMES", "register_strategy_names"]
 
 CommHookFn = Callable[[Any, Any], Any]  # hook(state, bucket: GradBucket) -> torch.futures.Future[Tensor]
 
@@ -290,3 +290,24 @@ def _restore_bucket_layout(module: DistributedDataParallel, entry: Any) -> None:
             f"lightning_ddpx: the checkpoint's bucket layout does not fit this model ({error}); buckets are "
             "planned afresh, so stateful hook memory may be reset on the first step."
         )
+
+
+# The names both strategies register (Trainer's and Fabric's registries): (name, description, arguments).
+STRATEGY_NAMES: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("ddpx", "lightning_ddpx DDP, processes launched as scripts (like 'ddp')", {}),
+    ("ddpx_spawn", "lightning_ddpx DDP, processes spawned (like 'ddp_spawn')", {"start_method": "spawn"}),
+    (
+        "ddpx_find_unused_parameters_true",
+        "lightning_ddpx DDP with find_unused_parameters=True",
+        {"find_unused_parameters": True},
+    ),
+    ("ddpx_fp16", "lightning_ddpx DDP with fp16-compressed allreduce", {"comm_hook": "fp16"}),
+    ("ddpx_powersgd", "lightning_ddpx DDP with PowerSGD (default options)", {"comm_hook": "powersgd"}),
+)
+
+
+def register_strategy_names(strategy_class: type, registry: Any) -> None:
+    """Register :data:`STRATEGY_NAMES` for ``strategy_class`` in a Lightning or Fabric strategy registry."""
+    for name, description, init_params in STRATEGY_NAMES:
+        # override=True: re-importing (or reloading) lightning_ddpx must not fail on its own names
+        registry.register(name, strategy_class, description=description, override=True, **init_params)

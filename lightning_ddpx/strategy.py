@@ -40,7 +40,7 @@ from typing_extensions import override
 from lightning_ddpx import checkpoint_state
 from lightning_ddpx.checkpoint_io import AtomicCheckpointIO
 from lightning_ddpx.compile import apply_lightning_compile
-from lightning_ddpx.config import CommHookFn, DDPXConfig, DDPXConfigAttributes
+from lightning_ddpx.config import CommHookFn, DDPXConfig, DDPXConfigAttributes, register_strategy_names
 from lightning_ddpx.consistency import broadcast_from_rank0
 from lightning_ddpx.distributed import DistributedDataParallel
 from lightning_ddpx.hooks import PowerSGDOptions
@@ -331,28 +331,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        entries: tuple[tuple[str, str, dict[str, Any]], ...] = (
-            ("ddpx", "lightning_ddpx DDP, processes launched as scripts (like 'ddp')", {}),
-            (
-                "ddpx_spawn",
-                "lightning_ddpx DDP, processes spawned (like 'ddp_spawn')",
-                {"start_method": "spawn"},
-            ),
-            (
-                "ddpx_find_unused_parameters_true",
-                "lightning_ddpx DDP with find_unused_parameters=True",
-                {"find_unused_parameters": True},
-            ),
-            ("ddpx_fp16", "lightning_ddpx DDP with fp16-compressed allreduce", {"comm_hook": "fp16"}),
-            (
-                "ddpx_powersgd",
-                "lightning_ddpx DDP with PowerSGD (default options)",
-                {"comm_hook": "powersgd"},
-            ),
-        )
-        for name, description, init_params in entries:
-            # override=True: re-importing (or reloading) lightning_ddpx must not fail on its own names
-            strategy_registry.register(name, cls, description=description, override=True, **init_params)
+        register_strategy_names(cls, strategy_registry)
 
 
 def _check_stats_interval(every_n_steps: Any) -> None:
