@@ -430,3 +430,21 @@ def test_layout_change_resets_memory_with_a_warning(one_rank_group) -> None:
         run_step(state, powersgd_hook, make_buckets(step, [[(24, 12), (24,), (12, 24)]]))
     with pytest.warns(UserWarning, match="another bucket layout"):
         run_step(state, powersgd_hook, make_buckets(3, [[(12, 24), (24,), (24, 12)]]))
+
+
+@pytest.mark.parametrize("rank", [1, 2, 4])
+def test_thin_projections_equal_plain_products(rank: int) -> None:
+    """P = X Q and Q = X^T P, written into views of packed buffers (as the PowerSGD runtimes use them)."""
+    from lightning_ddpx.hooks.lowrank import left_project_, right_project_
+
+    generator = torch.Generator().manual_seed(rank)
+    x = torch.randn(64, 48, generator=generator)
+    q = torch.randn(48, rank, generator=generator)
+    packed = torch.zeros(5 + 64 * rank)  # p lives at an offset inside a larger buffer
+    p = packed[5:].view(64, rank)
+    right_project_(p, x, q)
+    torch.testing.assert_close(p, x @ q, rtol=1e-5, atol=1e-5)
+    q_out = torch.empty(48, rank)
+    left_project_(q_out, x, p)
+    torch.testing.assert_close(q_out, x.t() @ p, rtol=1e-5, atol=1e-4)
+    assert packed[:5].abs().sum() == 0  # nothing written outside the view

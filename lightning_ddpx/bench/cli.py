@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import sys
 import time
 from typing import Any
 
@@ -81,6 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    # SIGTERM (kill, a job scheduler) unwinds like Ctrl-C, so the ranks are stopped and --link's network
+    # namespaces are removed instead of left behind.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     contenders = contenders_named(args.hooks)
     probe = load_workload(args.model, tuple(args.input_shape or ()) or None, args.seed, rank=0)
     probe.loss(probe.module)  # a model or input that cannot run fails here, before any process starts

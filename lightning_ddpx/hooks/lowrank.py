@@ -12,7 +12,15 @@ import math
 
 import torch
 
-__all__ = ["effective_rank", "matrix_shape", "orthogonalize_", "should_compress", "square_side"]
+__all__ = [
+    "effective_rank",
+    "left_project_",
+    "matrix_shape",
+    "orthogonalize_",
+    "right_project_",
+    "should_compress",
+    "square_side",
+]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -91,3 +99,21 @@ def _gram_schmidt_(matrices: torch.Tensor, epsilon: float) -> None:
             rest = matrices[:, :, i + 1 :]
             projections = (column * rest).sum(dim=1, keepdim=True)  # (batch, 1, rank - i - 1)
             rest.addcmul_(column, projections, value=-1)
+
+
+# Thin products with ``out=``: measured on this project's CPU (torch 2.13, 1 thread, 2048 x 2048 matrix),
+# ``torch.mm(x.t(), p, out=q)`` with 2 or 4 columns takes ~35 ms where the same product computed as
+# ``(p^T x)^T`` takes ~1.3-2.5 ms: the transposed operand sends it down a slow kernel. One column is a
+# matrix-vector product, fast either way (~0.5 ms), and keeps torch's exact operation order.
+def right_project_(p: torch.Tensor, x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``p = x @ q`` for ``x`` (n, m) and thin ``q`` (m, r), written into ``p`` (n, r)."""
+    if q.shape[1] == 1:
+        return torch.mm(x, q, out=p)
+    return p.copy_(torch.mm(q.t(), x.t()).t())
+
+
+def left_project_(q: torch.Tensor, x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``q = x.T @ p`` for ``x`` (n, m) and thin ``p`` (n, r), written into ``q`` (m, r)."""
+    if p.shape[1] == 1:
+        return torch.mm(x.t(), p, out=q)
+    return q.copy_(torch.mm(p.t(), x).t())

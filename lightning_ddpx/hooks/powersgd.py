@@ -38,7 +38,7 @@ from lightning_ddpx.hooks.layout import (
     plan_powersgd,
     segment_sizes,
 )
-from lightning_ddpx.hooks.lowrank import orthogonalize_, square_side
+from lightning_ddpx.hooks.lowrank import left_project_, orthogonalize_, right_project_, square_side
 from lightning_ddpx.hooks.powersgd_state import PowerSGDState
 
 __all__ = ["batched_powersgd_hook", "powersgd_hook"]
@@ -251,7 +251,7 @@ class _TensorwiseRuntime:
         for q in self.q_groups:
             orthogonalize_(q, epsilon)
         for x, p, q in self.matrices:
-            torch.mm(x, q, out=p)
+            right_project_(p, x, q)
 
         dist.all_reduce(self.round_one, group=group)
         if self.bucket_uncompressed:
@@ -260,7 +260,7 @@ class _TensorwiseRuntime:
         for p in self.p_groups:
             orthogonalize_(p, epsilon)
         for x, p, q in self.matrices:
-            torch.mm(x.t(), p, out=q)
+            left_project_(q, x, p)
         dist.all_reduce(self.q, group=group)
         self.q.div_(self.world_size)
 
@@ -319,10 +319,10 @@ class _SquareRuntime:
                 state.shared.q[self.index] = self.q.view(-1)
         x, p, q = self.x_square[0], self.p[0], self.q[0]
         orthogonalize_(self.q, epsilon)
-        torch.mm(x, q, out=p)
+        right_project_(p, x, q)
         dist.all_reduce(self.p, group=group)
         orthogonalize_(self.p, epsilon)
-        torch.mm(x.t(), p, out=q)
+        left_project_(q, x, p)
         dist.all_reduce(self.q, group=group)
         self.q.div_(self.world_size)
 
