@@ -72,9 +72,11 @@ def recommend(contenders: tuple[Contender, ...], rows: list[Row]) -> str:
         text += f" ({plain.median_ms / best.median_ms:.2f}x faster than allreduce; {best.accuracy_note})"
     elif plain is not None:
         noop = next((r for r in rows if r.name == "noop"), None)
-        why = "compression does not pay here"
+        why = "compression does not pay here: what it saves in communication it spends in computation"
         if noop is not None:
-            why += f" (even no communication at all is only {plain.median_ms / noop.median_ms:.2f}x faster)"
+            why += (
+                f" (steps without any communication would be {plain.median_ms / noop.median_ms:.2f}x faster)"
+            )
         text += f": {why}"
     faster = [r for r in rows if r.accuracy_cost == "validate" and r.median_ms < 0.9 * best.median_ms]
     if faster:
