@@ -7,6 +7,10 @@ Two copies of the same model in the same two processes, both ``lightning_ddpx.Di
 with the default reduction; one has ``reducer.collect_stats = False``. Timed interleaved (see
 ``lightning_ddpx.bench.timing``); the ratio on/off of same-round steps is the cost. ``many`` (300 tensors,
 many buckets) is where per-bucket bookkeeping weighs most.
+
+A 2-process step varies by several percent from step to step, far more than the few microseconds the
+statistics cost, so ``--micro`` also measures the cost directly: one process, a tiny model cut into 100
+one-parameter buckets, 2000 steps on and off interleaved, reported in microseconds per bucket.
 """
 
 from __future__ import annotations
@@ -70,6 +74,38 @@ def run_rank(rank: int, world_size: int, config: RunConfig) -> dict[str, Any]:
     return {"times_s": times, "stats_on_last_step": asdict(logged) if logged else None}
 
 
+def micro_overhead(steps: int = 2000, block: int = 100) -> dict[str, float]:
+    """Microseconds per step and per bucket that collecting statistics adds, on a 1-process gloo group."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from benchmarks.common import free_port, percentile
+    from lightning_ddpx import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        wrapped = {}
+        for name in ("off", "on"):
+            torch.manual_seed(0)
+            net = nn.Sequential(*[nn.Linear(4, 4, bias=False) for _ in range(100)])
+            wrapped[name] = DistributedDataParallel(net, bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6)
+        wrapped["off"].reducer.collect_stats = False
+        x = torch.randn(2, 4)
+
+        def step(model: torch.nn.Module) -> None:
+            model(x).sum().backward()
+
+        steps_of = {name: (lambda m=m: step(m)) for name, m in wrapped.items()}
+        times = interleaved_timing(steps_of, steps, warmup_steps=20, block=block)
+        buckets = len(wrapped["on"].bucket_plan())
+        for model in wrapped.values():
+            model.close()
+    finally:
+        dist.destroy_process_group()
+    off_us, on_us = (1e6 * percentile(times[n], 50) for n in ("off", "on"))
+    return {"buckets": buckets, "off_us": off_us, "on_us": on_us, "per_bucket_us": (on_us - off_us) / buckets}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -80,6 +116,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--block", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--micro", action="store_true", help="also measure microseconds per bucket directly")
     args = parser.parse_args(argv)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in models if m not in MODELS]
@@ -106,6 +143,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     header = ["model", "stats off ms", "stats on ms", "ratio on/off", "ratio p25-p75", "target", "result"]
     print("\n" + format_table(header, rows), flush=True)
+    if args.micro:
+        micro = results["micro"] = micro_overhead()
+        print(
+            f"\nmicro: {micro['buckets']} buckets per step, median step {micro['off_us']:.0f} us off, "
+            f"{micro['on_us']:.0f} us on: {micro['per_bucket_us']:.2f} us per bucket",
+            flush=True,
+        )
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

@@ -88,5 +88,5 @@ def test_recommendation_picks_the_fastest_hook_of_small_accuracy_cost() -> None:
 def test_recommendation_keeps_allreduce_when_compression_saves_little() -> None:
     times = {"allreduce": 100, "fp16": 97, "bf16": 99, "powersgd-r2": 130, "noop": 92}
     advice = recommend(contenders_named(list(times)), [_row(n, ms) for n, ms in times.items()])
-    assert advice.startswith("Recommended: allreduce")
+    assert advice.startswith("Recommended: allreduce -> DDPXStrategy()")
     assert "compression does not pay here" in advice and "1.09x faster" in advice

@@ -25,10 +25,15 @@ class Contender:
     """One timed configuration."""
 
     name: str
-    hook: str | None  # a lightning_ddpx hook name; None: torch's own DistributedDataParallel
+    hook: str | None  # a lightning_ddpx hook name; None: our default reduction (no hook registered)
     rank: int | None = None  # PowerSGD matrix_approximation_rank
     accuracy_cost: str = "none"  # "none" | "small" | "validate" | "not for training"
     accuracy_note: str = ""
+    torch_ddp: bool = False  # torch's own DistributedDataParallel, the reference
+
+    @property
+    def ours(self) -> bool:
+        return not self.torch_ddp
 
     @property
     def usable(self) -> bool:
@@ -37,16 +42,21 @@ class Contender:
 
     def strategy_arguments(self) -> str:
         """How to get this contender from ``DDPXStrategy`` (what the recommendation prints)."""
-        if self.hook is None:
+        if self.torch_ddp:
             return 'strategy="ddp"'
+        if self.hook is None:
+            return "DDPXStrategy()"
         if self.rank is not None:
             return f'DDPXStrategy(comm_hook="{self.hook}", powersgd={{"matrix_approximation_rank": {self.rank}}})'
         return f'DDPXStrategy(comm_hook="{self.hook}")'
 
 
 CONTENDERS: tuple[Contender, ...] = (
-    Contender("torch-ddp", None, accuracy_note="torch's DistributedDataParallel: the reference"),
-    Contender("allreduce", "allreduce", accuracy_note="exact average"),
+    Contender(
+        "torch-ddp", None, accuracy_note="torch's DistributedDataParallel: the reference", torch_ddp=True
+    ),
+    # Our default reduction (scaled while copied into buckets), which comm_hook="allreduce" only slows down.
+    Contender("allreduce", None, accuracy_note="exact average"),
     Contender("fp16", "fp16", accuracy_cost="small", accuracy_note="fp16 rounding; overflows above 65504"),
     Contender("bf16", "bf16", accuracy_cost="small", accuracy_note="bf16 rounding (8-bit mantissa)"),
     Contender("powersgd-r1", "powersgd", 1, "validate", "rank 1 may cost accuracy: validate on your task"),
@@ -78,7 +88,7 @@ def contenders_named(names: list[str] | None) -> tuple[Contender, ...]:
 
 def wrap(contender: Contender, module: nn.Module, bucket_cap_mb: float) -> tuple[nn.Module, Any]:
     """``(data-parallel module, hook state)`` for one contender; collective: every rank calls it in order."""
-    if contender.hook is None:
+    if contender.torch_ddp:
         from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
         return TorchDDP(module, bucket_cap_mb=bucket_cap_mb), None
@@ -86,6 +96,8 @@ def wrap(contender: Contender, module: nn.Module, bucket_cap_mb: float) -> tuple
     from lightning_ddpx.hooks import build_comm_hook
 
     ddp = DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb)
+    if contender.hook is None:
+        return ddp, None
     options = (
         {"matrix_approximation_rank": contender.rank, "start_powerSGD_iter": START_POWERSGD_ITER}
         if contender.rank is not None

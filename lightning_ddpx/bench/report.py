@@ -47,7 +47,7 @@ def summarize(contenders: tuple[Contender, ...], rank0: dict[str, Any]) -> list[
                 vs_allreduce=ratio,
                 bytes_sent=percentile(sent, 50)
                 if sent
-                else (rank0["gradient_bytes"] if c.hook is None else None),
+                else (rank0["gradient_bytes"] if c.torch_ddp else None),
                 exposed_comm_ms=1e3 * percentile(exposed, 50) if exposed else None,
                 accuracy_cost=c.accuracy_cost,
                 accuracy_note=c.accuracy_note,
@@ -59,7 +59,7 @@ def summarize(contenders: tuple[Contender, ...], rank0: dict[str, Any]) -> list[
 
 def recommend(contenders: tuple[Contender, ...], rows: list[Row]) -> str:
     """One line: the fastest contender whose accuracy cost is known to be small, and what else to know."""
-    usable = {c.name for c in contenders if c.usable and c.hook is not None}
+    usable = {c.name for c in contenders if c.usable and c.ours}
     candidates = [r for r in rows if r.name in usable]
     if not candidates:
         return "No recommendation: run at least one of allreduce, fp16, bf16, powersgd-r2, powersgd-r4."
