@@ -19,6 +19,7 @@ from lightning_ddpx.comm_stats import CommStatsSummary, StepCommStats
 from lightning_ddpx.consistency import broadcast_from_rank0, verify_same_parameters
 from lightning_ddpx.errors import waiting_for
 from lightning_ddpx.hooks.backend_support import check_bf16_hook
+from lightning_ddpx.profiling import label
 from lightning_ddpx.reducer import CommHook, Phase, Reducer
 
 __all__ = ["DistributedDataParallel"]
@@ -120,7 +121,7 @@ class DistributedDataParallel(nn.Module):
     def _broadcast_buffers(self) -> None:
         buffers = list(self.module.buffers())
         if buffers:
-            with torch.profiler.record_function("lightning_ddpx::broadcast_buffers"):
+            with label("lightning_ddpx::broadcast_buffers"):
                 with waiting_for(
                     "rank 0's buffers before forward (broadcast_buffers=True)", self.process_group
                 ):

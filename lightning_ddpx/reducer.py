@@ -19,7 +19,6 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from lightning_ddpx.bucketing import BucketInfo, BucketSpec, plan_buckets
 from lightning_ddpx.comm_stats import CommStatsWindow, StepCommStats
@@ -33,6 +32,7 @@ from lightning_ddpx.grad_bucket import (
 )
 from lightning_ddpx.graph import reachable_parameter_indices
 from lightning_ddpx.launcher import InlineLauncher, SequencedLauncher
+from lightning_ddpx.profiling import label
 
 __all__ = ["Reducer"]
 
@@ -62,11 +62,12 @@ class Phase(enum.Enum):
 class _Bucket:
     """Runtime storage for one :class:`BucketSpec`: the flat buffer and per-parameter views into it."""
 
-    __slots__ = ("spec", "buffer", "views", "params")
+    __slots__ = ("spec", "buffer", "views", "params", "nbytes")
 
     def __init__(self, spec: BucketSpec, params: Sequence[torch.nn.Parameter]) -> None:
         self.spec = spec
         self.buffer = torch.zeros(spec.numel, dtype=spec.dtype, device=spec.device)
+        self.nbytes = self.buffer.numel() * self.buffer.element_size()
         self.params = [params[i] for i in spec.param_indices]
         self.views = [
             self.buffer[offset : offset + p.numel()].view_as(p)
@@ -258,7 +259,7 @@ class Reducer:
 
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
-        with record_function("lightning_ddpx::launch_bucket"):
+        with label("lightning_ddpx::launch_bucket"):
             if not self.gradient_as_bucket_view:
                 self._copy_grads_into(b, bucket, self._scale_on_copy)
             elif self._scale_on_copy is not None:
@@ -270,13 +271,13 @@ class Reducer:
                 self._futures[b] = self._launcher.submit(lambda: hook(state, grad_bucket))
                 return
             grad_bucket = GradBucket(b, bucket.buffer, bucket.views, bucket.params, is_last, self._sent_log)
-            self._bytes_to_hook += bucket.spec.num_bytes
+            self._bytes_to_hook += bucket.nbytes
             hook_seconds = self._hook_seconds
 
             def call_hook() -> torch.futures.Future:
                 started = time.perf_counter()
                 try:
-                    with record_function("lightning_ddpx::comm_hook"):
+                    with label("lightning_ddpx::comm_hook"):
                         return hook(state, grad_bucket)
                 finally:
                     hook_seconds.append(time.perf_counter() - started)
@@ -305,7 +306,7 @@ class Reducer:
     def _finalize(self) -> None:
         """End of backward: launch what is left, wait for every bucket, write averaged gradients."""
         succeeded = False
-        with record_function("lightning_ddpx::finalize"):
+        with label("lightning_ddpx::finalize"):
             try:
                 missing = [i for i in range(len(self.params)) if not self._ready[i]]
                 if missing and not self.find_unused_parameters:

@@ -142,3 +142,27 @@ def torch_hook_report(rank: int, world_size: int) -> dict:
 def test_torch_hook_on_our_module_reports_unknown_bytes_sent() -> None:
     stats = run_distributed(torch_hook_report, 2, timeout=60)[0]["stats"]
     assert stats.bytes_to_hook == 4 * NUMEL and stats.bytes_sent is None
+
+
+def profiled_step(rank: int, world_size: int) -> list[str]:
+    model = lightning_ddpx.DistributedDataParallel(
+        nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)), bucket_cap_mb=1e-4
+    )
+    model(torch.randn(4, 8)).sum().backward()  # the first iteration: rebuild afterwards
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        model(torch.randn(4, 8)).sum().backward()
+    model.close()
+    return sorted(
+        {event.key for event in profiler.key_averages() if event.key.startswith("lightning_ddpx::")}
+    )
+
+
+def test_hot_paths_carry_profiler_labels() -> None:
+    """The labels show up under torch.profiler (and cost nothing without it: lightning_ddpx.profiling)."""
+    labels = run_distributed(profiled_step, 2, timeout=60)[0]
+    assert labels == [
+        "lightning_ddpx::broadcast_buffers",
+        "lightning_ddpx::comm_hook",
+        "lightning_ddpx::finalize",
+        "lightning_ddpx::launch_bucket",
+    ], labels

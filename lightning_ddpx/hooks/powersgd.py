@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from lightning_ddpx.grad_bucket import payload_bytes, record_bytes_sent
 from lightning_ddpx.hooks.default import first_value
@@ -40,6 +39,7 @@ from lightning_ddpx.hooks.layout import (
 )
 from lightning_ddpx.hooks.lowrank import left_project_, orthogonalize_, right_project_, square_side
 from lightning_ddpx.hooks.powersgd_state import PowerSGDState
+from lightning_ddpx.profiling import label
 
 __all__ = ["batched_powersgd_hook", "powersgd_hook"]
 
@@ -55,7 +55,7 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     if not state.compressing():
         state.end_bucket(bucket, None)
         return _average(state.process_group, bucket)
-    with torch.no_grad(), record_function("lightning_ddpx::powersgd"):
+    with torch.no_grad(), label("lightning_ddpx::powersgd"):
         runtime = state.runtime.get(bucket.index())
         if not isinstance(runtime, _TensorwiseRuntime) or not runtime.fits(bucket):
             runtime = state.runtime[bucket.index()] = _TensorwiseRuntime(state, bucket)
@@ -77,7 +77,7 @@ def batched_powersgd_hook(
     if not state.compressing():
         state.end_bucket(bucket, None)
         return _average(state.process_group, bucket)
-    with torch.no_grad(), record_function("lightning_ddpx::batched_powersgd"):
+    with torch.no_grad(), label("lightning_ddpx::batched_powersgd"):
         runtime = state.runtime.get(bucket.index())
         if not isinstance(runtime, _SquareRuntime) or not runtime.fits(bucket):
             runtime = state.runtime[bucket.index()] = _SquareRuntime(state, bucket)
