@@ -35,11 +35,12 @@ from typing_extensions import override
 
 from lightning_ddpx.checkpoint_io import AtomicCheckpointIO
 from lightning_ddpx.checkpoint_state import CHECKPOINT_KEY
+from lightning_ddpx.comm_stats import CommStatsSummary
 from lightning_ddpx.config import CommHookFn, DDPXConfig, DDPXConfigAttributes, register_strategy_names
 from lightning_ddpx.distributed import DistributedDataParallel
 from lightning_ddpx.hooks import PowerSGDOptions
 
-__all__ = ["DDPXStrategy"]
+__all__ = ["DDPXStrategy", "take_comm_stats"]
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +217,21 @@ class _DDPXBackwardSyncControl(_BackwardSyncControl):
                 "model = fabric.setup(model, ...) first."
             )
         return module.no_sync()
+
+
+def take_comm_stats(model: nn.Module) -> CommStatsSummary | None:
+    """Per-step communication statistics since the last call, for a model returned by ``fabric.setup``.
+
+    Fabric's loggers belong to the ``Fabric`` object, not to the strategy, so the loop logs them:
+    ``fabric.log_dict(stats.as_metrics())``. ``None`` if no step synchronised since the last call.
+    """
+    ours = getattr(model, "_forward_module", model)  # fabric.setup wraps our module in a _FabricModule
+    if not isinstance(ours, DistributedDataParallel):
+        raise TypeError(
+            f"take_comm_stats needs a model set up by Fabric with lightning_ddpx's DDPXStrategy, got a "
+            f"{type(ours).__name__}."
+        )
+    return ours.take_comm_stats()
 
 
 def _unwrap(module: nn.Module) -> nn.Module:

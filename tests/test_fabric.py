@@ -23,7 +23,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 
 import lightning_ddpx
-from lightning_ddpx.fabric import DDPXStrategy
+from lightning_ddpx.fabric import DDPXStrategy, take_comm_stats
 from tests.dist_utils import run_distributed
 from tests.strategy_helpers import counting_allreduce_hook, quiet
 
@@ -74,6 +74,7 @@ def accumulate_with_fabric(rank: int, out: dict) -> None:
             optimizer.step()
             optimizer.zero_grad()
     out["accumulate/counts"] = counts
+    out["accumulate/stats"] = take_comm_stats(model)
     out["accumulate/buckets"] = len(model._forward_module.bucket_plan())
     out["accumulate/fabric"] = parameters_of(model.module)
 
@@ -166,6 +167,9 @@ def test_accumulation_synchronises_once_per_bucket_per_window(results):
     for rank_result in results:
         assert rank_result["accumulate/buckets"] == 2
         assert rank_result["accumulate/counts"] == {"syncs": WINDOWS, "buckets": WINDOWS * 2}
+        stats = rank_result["accumulate/stats"]  # take_comm_stats: synchronised steps only
+        assert stats.steps == WINDOWS and stats.buckets == 2 and stats.bytes_to_hook > 0
+        assert stats.bytes_sent is None  # the counting test hook does not report what it sends
 
 
 @pytest.mark.slow
