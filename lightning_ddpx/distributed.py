@@ -164,6 +164,7 @@ class DistributedDataParallel(nn.Module):
             )
         previous = self.require_backward_grad_sync
         self.require_backward_grad_sync = False
+        self.reducer.allow_local_backward()
         try:
             yield
         finally:

@@ -107,6 +107,9 @@ class Reducer:
         self.iterations_synced = 0  # completed synchronised backwards
         self._ready_order: list[int] | None = []  # recorded in the first synchronised backward
         self._rebuild_pending = False
+        # True from the end of a synchronised backward until the next forward (or no_sync()): a gradient
+        # arriving then comes from a second backward of the same forward, which would stay local.
+        self._synced_since_forward = False
         self._forward_unused: set[int] = set()
         self._observed_order: list[int] = []
         self.last_exposed_comm_s = 0.0
@@ -177,6 +180,7 @@ class Reducer:
     # -------------------------------------------------------------------------------------- forward
     def prepare_forward(self, will_sync: bool) -> None:
         """Called before each forward: refuses to start over an unfinished reduction, rebuilds buckets."""
+        self._synced_since_forward = False
         if self.phase is Phase.REDUCING:
             self._abandon_iteration()
             raise RuntimeError(
@@ -194,6 +198,10 @@ class Reducer:
             reached = reachable_parameter_indices(outputs, self._index_of)
             self._forward_unused = set(range(len(self.params))) - reached
 
+    def allow_local_backward(self) -> None:
+        """``no_sync()`` was entered: backward passes until the next forward accumulate locally, on purpose."""
+        self._synced_since_forward = False
+
     def disarm(self) -> None:
         """A forward that will not synchronise (``no_sync`` or grad disabled) cancels a pending one."""
         if self.phase is Phase.ARMED:
@@ -204,6 +212,8 @@ class Reducer:
         def on_grad_accumulated(_param: torch.Tensor) -> None:
             if self.phase is not Phase.REDUCING:
                 if self.phase is Phase.IDLE:
+                    if self._synced_since_forward:
+                        raise RuntimeError(self._backward_after_sync_message(index))
                     return
                 self._begin_reduction()
             self._mark_ready(index, used=True)
@@ -409,6 +419,7 @@ class Reducer:
 
     def _end_iteration(self, succeeded: bool) -> None:
         self.phase = Phase.IDLE
+        self._synced_since_forward = succeeded
         if succeeded:
             self.iterations_synced += 1
         if self._ready_order is not None:
@@ -489,6 +500,16 @@ class Reducer:
             "them or the loss does not depend on them. Pass find_unused_parameters=True to "
             "DistributedDataParallel (or use strategy 'ddpx_find_unused_parameters_true' in Lightning), "
             "or set requires_grad=False on parameters that are never trained."
+        )
+
+    def _backward_after_sync_message(self, index: int) -> str:
+        return (
+            f"lightning_ddpx (rank {dist.get_rank(self.process_group)}): parameter {self.names[index]!r} received a "
+            "gradient in a backward that ran after this iteration's gradients were already synchronised, with no "
+            "new forward through DistributedDataParallel (a second backward of the same forward, or a forward "
+            "that called .module directly). That gradient would stay on this rank and the ranks would step with "
+            "different gradients. Combine the losses into one backward, or run the extra backward inside "
+            "no_sync() and synchronise on a later one, and call the wrapper itself for every forward."
         )
 
     def _ready_twice_message(self, index: int) -> str:

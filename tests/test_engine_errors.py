@@ -93,6 +93,15 @@ def engine_errors(rank: int, world_size: int) -> dict:
     out["hook_raises"] = message_of(lambda: mlp_loss(failing, 0).backward())
     # After a failed iteration the module is usable again (state was reset, nothing hangs).
     out["after_failure"] = message_of(lambda: mlp_loss(late, 1).backward())
+
+    # A second backward of one synchronised forward would leave its gradients local to each rank.
+    twice = lightning_ddpx.DistributedDataParallel(mlp(), **SMALL_BUCKETS)
+    loss = mlp_loss(twice, 0)
+    loss.backward(retain_graph=True)
+    out["second_backward"] = message_of(lambda: loss.backward(retain_graph=True))
+    with twice.no_sync():  # the same thing asked for explicitly is fine: local accumulation
+        out["second_backward_in_no_sync"] = message_of(lambda: loss.backward())
+    out["after_second_backward"] = message_of(lambda: mlp_loss(twice, 1).backward())
     return out
 
 
@@ -114,3 +123,8 @@ def test_engine_errors_name_the_culprit_and_the_fix():
         assert "before the first backward" in out["late"]
         assert "deliberate failure" in out["hook_raises"] and "bucket 0" in out["hook_raises"]
         assert out["after_failure"] == "no error"
+        second = out["second_backward"]
+        assert second.startswith(f"RuntimeError: lightning_ddpx (rank {rank}): parameter '"), second
+        assert "already synchronised" in second and "no_sync()" in second and "one backward" in second
+        assert out["second_backward_in_no_sync"] == "no error"
+        assert out["after_second_backward"] == "no error"
