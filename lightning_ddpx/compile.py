@@ -100,7 +100,8 @@ def apply_lightning_compile(ddp_model: DistributedDataParallel, split: bool = Tr
     user's dynamo context. Those run inside our wrapper's forward, so bookkeeping stays out of the graph and
     results are right as they are; this replaces ``training_step`` by a split-compiled one with the same
     backend (validation and test steps keep Lightning's: no backward, nothing to overlap). Returns whether
-    the module was compiled. Options other than the backend (``dynamic``, ``fullgraph``) are not carried over.
+    the module was compiled. The backend carries ``mode`` and ``options``; ``fullgraph`` and ``dynamic`` are
+    carried over too.
     """
     module = ddp_model.module
     context = getattr(module, "_compiler_ctx", None)
@@ -108,10 +109,23 @@ def apply_lightning_compile(ddp_model: DistributedDataParallel, split: bool = Tr
         return False
     from torch._dynamo.eval_frame import innermost_backend
 
-    backend = innermost_backend(context["dynamo_ctx"].callback)
+    dynamo_ctx = context["dynamo_ctx"]
+    backend = innermost_backend(dynamo_ctx.callback)  # carries mode/options (e.g. inductor's wrapper)
     original = context["original_training_step"]
-    module.training_step = _PlanAwareCompiled(original, ddp_model, backend, split, {})  # type: ignore[method-assign]
+    compile_kwargs = _user_compile_options(dynamo_ctx)
+    module.training_step = _PlanAwareCompiled(original, ddp_model, backend, split, compile_kwargs)  # type: ignore[method-assign]
     return True
+
+
+def _user_compile_options(dynamo_ctx: Any) -> dict[str, Any]:
+    """``fullgraph`` and ``dynamic`` of the user's ``torch.compile`` call, read off its dynamo context."""
+    options: dict[str, Any] = {}
+    if getattr(dynamo_ctx, "fullgraph", False):
+        options["fullgraph"] = True
+    dynamic = getattr(dynamo_ctx, "_dynamic", None)
+    if dynamic is not None:
+        options["dynamic"] = dynamic
+    return options
 
 
 def _unwrap(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -165,9 +165,11 @@ def _lightning_fits(rank: int, world_size: int) -> dict:
         seed_everything(0, verbose=False)
         module = Deeper()
         trainer = make_trainer(DDPXStrategy(bucket_cap_mb=0.01, first_bucket_cap_mb=0.002), max_steps=6)
-        trainer.fit(torch.compile(module, backend="aot_eager") if compiled else module)
+        options = dict(backend="aot_eager", fullgraph=True, dynamic=False)
+        trainer.fit(torch.compile(module, **options) if compiled else module)
         graphs = list(getattr(module.training_step, "graphs", []))
-        results[compiled] = {"params": parameters_of(module), "graphs": graphs}
+        carried = getattr(module.training_step, "compile_kwargs", None)
+        results[compiled] = {"params": parameters_of(module), "graphs": graphs, "carried": carried}
     return results
 
 
@@ -183,6 +185,7 @@ def test_lightning_compiled_module_matches_eager_fit() -> None:
         assert graphs and max(g.pieces for g in graphs) > 1, (
             f"rank {rank}: the strategy did not split: {graphs}"
         )
+        assert compiled["carried"] == {"fullgraph": True, "dynamic": False}  # the user's options survive
 
 
 @pytest.mark.slow
