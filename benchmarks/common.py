@@ -17,7 +17,6 @@ import multiprocessing as mp
 import os
 import platform
 import queue
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_ddpx.bench.launch import free_port
 from lightning_ddpx.bench.models import MODELS, ModelSpec, build_model
 from lightning_ddpx.bench.timing import (
     PairSummary,
@@ -101,13 +101,6 @@ def max_param_diff(a: nn.Module, b: nn.Module) -> float:
 
 
 # ----------------------------------------------------------------------------------------------- launcher
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _rank_main(
     rank: int,
     world_size: int,

@@ -274,25 +274,29 @@ class Reducer:
                 self._copy_grads_into(b, bucket, self._scale_on_copy)
             elif self._scale_on_copy is not None:
                 bucket.buffer.mul_(self._scale_on_copy)
-            is_last = b == len(self.buckets) - 1
-            hook, state = self.hook, self.hook_state
-            if not self.collect_stats:
-                grad_bucket = GradBucket(b, bucket.buffer, bucket.views, bucket.params, is_last)
-                self._futures[b] = self._launcher.submit(lambda: hook(state, grad_bucket))
-                return
-            grad_bucket = GradBucket(b, bucket.buffer, bucket.views, bucket.params, is_last, self._sent_log)
-            self._bytes_to_hook += bucket.nbytes
-            hook_seconds = self._hook_seconds
+            sent_log = self._sent_log if self.collect_stats else None
+            grad_bucket = GradBucket(
+                b, bucket.buffer, bucket.views, bucket.params, b == len(self.buckets) - 1, sent_log
+            )
+            self._futures[b] = self._launcher.submit(self._hook_call(grad_bucket, bucket.nbytes))
 
-            def call_hook() -> torch.futures.Future:
-                started = time.perf_counter()
-                try:
-                    with label("lightning_ddpx::comm_hook"):
-                        return hook(state, grad_bucket)
-                finally:
-                    hook_seconds.append(time.perf_counter() - started)
+    def _hook_call(self, grad_bucket: GradBucket, nbytes: int) -> Callable[[], torch.futures.Future]:
+        """The hook's call on one bucket, timed into this iteration's statistics when they are kept."""
+        hook, state = self.hook, self.hook_state
+        if not self.collect_stats:
+            return lambda: hook(state, grad_bucket)
+        self._bytes_to_hook += nbytes
+        hook_seconds = self._hook_seconds  # this iteration's list, wherever (whichever thread) the call runs
 
-            self._futures[b] = self._launcher.submit(call_hook)
+        def call_hook() -> torch.futures.Future:
+            started = time.perf_counter()
+            try:
+                with label("lightning_ddpx::comm_hook"):
+                    return hook(state, grad_bucket)
+            finally:
+                hook_seconds.append(time.perf_counter() - started)
+
+        return call_hook
 
     @torch.no_grad()
     def _copy_grads_into(self, b: int, bucket: _Bucket, scale: float | None) -> None:

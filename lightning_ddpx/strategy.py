@@ -134,7 +134,6 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         self._pending_hook_entry: tuple[Any] | None = None
         self._sync_blocked = 0  # depth of block_backward_sync(); read by manual optimisation
         self.comm_stats_every_n_steps = comm_stats_every_n_steps
-        self._stats_logged_at = 0  # the synchronised iteration whose statistics were logged last
 
     # ------------------------------------------------------------------------------------ description
     @property
@@ -245,11 +244,10 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         if not isinstance(model, DistributedDataParallel) or module is None or module._trainer is None:
             return
         synced = model.reducer.iterations_synced
-        if synced == 0 or synced % self.comm_stats_every_n_steps or synced == self._stats_logged_at:
-            return  # not a synchronised step that is due (accumulating, or logged already)
-        self._stats_logged_at = synced
+        if synced == 0 or synced % self.comm_stats_every_n_steps:
+            return
         summary = model.take_comm_stats()
-        if summary is None:
+        if summary is None:  # nothing synchronised since the last log (an accumulation backward after it)
             return
         trainer = module._trainer
         for logger in trainer.loggers:  # rank-zero-only loggers write rank 0's figures

@@ -11,7 +11,6 @@ import io
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from datetime import timedelta
@@ -19,16 +18,11 @@ from typing import Any, Callable
 
 import torch
 
+from lightning_ddpx.bench.launch import free_port
+
 _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "lightning_ddpx"])
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _to_bytes(value: Any) -> bytes:

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 __all__ = ["CONTENDERS", "Contender", "START_POWERSGD_ITER", "contenders_named", "wrap"]
@@ -115,14 +114,3 @@ def gradient_bytes(module: nn.Module) -> int:
 
 def is_ours(module: nn.Module) -> bool:
     return hasattr(module, "comm_stats")
-
-
-def first_tensor(output: Any) -> torch.Tensor:
-    """The tensor a synthetic loss is taken from: the output itself, or its first tensor."""
-    if isinstance(output, torch.Tensor):
-        return output
-    values = output.values() if isinstance(output, dict) else output
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            return value
-    raise TypeError(f"the model's output has no tensor to take a loss from: {type(output).__name__}")

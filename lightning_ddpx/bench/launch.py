@@ -11,13 +11,14 @@ import contextlib
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Any, Iterator
 
-__all__ = ["run_ranks"]
+__all__ = ["free_port", "run_ranks"]
 
 
 def run_ranks(config: dict[str, Any], link: str | None, timeout_s: float) -> list[dict[str, Any]]:
@@ -57,7 +58,7 @@ def _network(link: str | None, world_size: int) -> Iterator[Any]:
 
 
 def _start(config_path: str, world_size: int, network: Any, directory: str) -> list[subprocess.Popen]:
-    port = random.randint(20000, 60000) if network is not None else _free_port()
+    port = random.randint(20000, 60000) if network is not None else free_port()
     base = dict(os.environ)
     base.update(
         OMP_NUM_THREADS="1",
@@ -107,9 +108,8 @@ def _failure(rank: int, code: int | None, directory: str) -> str:
     return f"benchmark rank {rank} exited with code {code}:\n{tail}"
 
 
-def _free_port() -> int:
-    import socket
-
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

@@ -15,7 +15,6 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from lightning_ddpx.bench.contenders import first_tensor
 from lightning_ddpx.bench.models import MODELS
 
 __all__ = ["Workload", "load_workload"]
@@ -28,6 +27,17 @@ class Workload:
 
     def loss(self, model: nn.Module) -> torch.Tensor:
         return first_tensor(model(*self.inputs)).float().square().mean()
+
+
+def first_tensor(output: Any) -> torch.Tensor:
+    """The tensor a synthetic loss is taken from: the output itself, or its first tensor."""
+    if isinstance(output, torch.Tensor):
+        return output
+    values = output.values() if isinstance(output, dict) else output
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            return value
+    raise TypeError(f"the model's output has no tensor to take a loss from: {type(output).__name__}")
 
 
 def _factory(spec: str) -> Callable[[], Any]:

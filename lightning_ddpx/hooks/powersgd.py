@@ -52,17 +52,7 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     averaged exactly. With the same options, results match torch's hook within 1e-5 (tested over 10
     compressed steps; the remaining differences are float rounding of differently blocked products).
     """
-    if not state.compressing():
-        state.end_bucket(bucket, None)
-        return _average(state.process_group, bucket)
-    with torch.no_grad(), label("lightning_ddpx::powersgd"):
-        runtime = state.runtime.get(bucket.index())
-        if not isinstance(runtime, _TensorwiseRuntime) or not runtime.fits(bucket):
-            runtime = state.runtime[bucket.index()] = _TensorwiseRuntime(state, bucket)
-        runtime.step(state, bucket.buffer())
-        state.end_bucket(bucket, runtime.counts)
-    record_bytes_sent(bucket, runtime.bytes_sent)
-    return _completed(bucket.buffer())
+    return _reduce(state, bucket, _TensorwiseRuntime, "lightning_ddpx::powersgd")
 
 
 def batched_powersgd_hook(
@@ -74,20 +64,28 @@ def batched_powersgd_hook(
     mixes unrelated rows and columns, so it approximates worse; prefer rank 1 and check accuracy.
     Unlike torch 2.13's ``batched_powerSGD_hook``, which fails in its first compressed step, this runs.
     """
+    return _reduce(state, bucket, _SquareRuntime, "lightning_ddpx::batched_powersgd")
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def _reduce(
+    state: PowerSGDState, bucket: Any, runtime_class: type, profile_label: str
+) -> torch.futures.Future[torch.Tensor]:
+    """What both hooks do per bucket: plain averaging until compression starts, then one compressed step
+    with the bucket's runtime (built anew when the bucket changed), counted in the statistics."""
     if not state.compressing():
         state.end_bucket(bucket, None)
         return _average(state.process_group, bucket)
-    with torch.no_grad(), label("lightning_ddpx::batched_powersgd"):
+    with torch.no_grad(), label(profile_label):
         runtime = state.runtime.get(bucket.index())
-        if not isinstance(runtime, _SquareRuntime) or not runtime.fits(bucket):
-            runtime = state.runtime[bucket.index()] = _SquareRuntime(state, bucket)
+        if not isinstance(runtime, runtime_class) or not runtime.fits(bucket):
+            runtime = state.runtime[bucket.index()] = runtime_class(state, bucket)
         runtime.step(state, bucket.buffer())
         state.end_bucket(bucket, runtime.counts)
     record_bytes_sent(bucket, runtime.bytes_sent)
     return _completed(bucket.buffer())
 
 
-# ------------------------------------------------------------------------------------------ helpers
 def _average(group: dist.ProcessGroup | None, bucket: Any) -> torch.futures.Future[torch.Tensor]:
     """Plain averaging before compression starts (divide, then sum: torch's allreduce hook)."""
     buffer = bucket.buffer()
