@@ -44,7 +44,7 @@ TEMP_SUFFIX = ".tmp"
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose local writes are atomic and durable (see the module docstring).
 
-    Use it with any strategy: ``DDPXStrategy(checkpoint_io=AtomicCheckpointIO())`` or
+    Both ``DDPXStrategy`` classes (Trainer and Fabric) use it by default; with any other strategy pass
     ``Trainer(plugins=[AtomicCheckpointIO()])``. Loading and removing are Lightning's.
     """
 
