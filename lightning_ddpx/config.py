@@ -127,17 +127,19 @@ class DDPXConfig:
     def hook_entry(
         self,
         hook_state: Any,
-        module: Optional[DistributedDataParallel] = None,
         group: Optional[dist.ProcessGroup] = None,
+        bucket_layout: Optional[dict[str, Any]] = None,
     ) -> Optional[dict[str, Any]]:
-        """The checkpoint entry (every rank's hook state, and the bucket layout of ``module`` if given) on
-        rank 0 of ``group``; ``None`` on the other ranks. A collective: every rank must call it."""
-        group = group if group is not None else (module.process_group if module is not None else None)
+        """The checkpoint entry (every rank's hook state, and ``bucket_layout`` if given) on rank 0 of
+        ``group``; ``None`` on the other ranks. A collective: every rank must call it.
+
+        ``bucket_layout`` is the module's ``reducer_state_dict()``: rank 0's layout is every rank's (the
+        rebuild broadcasts it), and hook state is keyed by bucket, so the resumed run must reduce the same
+        buckets from its first step.
+        """
         entry = checkpoint_state.gather_entry(hook_state, self.hook_name, group)
-        if entry is not None and module is not None:
-            # Rank 0's layout is every rank's (the rebuild broadcasts it). Hook state is keyed by bucket,
-            # so the resumed run must reduce the same buckets from its first step.
-            entry["bucket_layout"] = module.reducer_state_dict()
+        if entry is not None and bucket_layout is not None:
+            entry["bucket_layout"] = bucket_layout
         return entry
 
     def restore_hook_entry(self, module: DistributedDataParallel, hook_state: Any, entry: Any) -> None:

@@ -39,6 +39,7 @@ from lightning_ddpx.comm_stats import CommStatsSummary
 from lightning_ddpx.config import CommHookFn, DDPXConfig, DDPXConfigAttributes, register_strategy_names
 from lightning_ddpx.distributed import DistributedDataParallel
 from lightning_ddpx.hooks import PowerSGDOptions
+from lightning_ddpx.process_exit import destroy_process_group_at_exit
 
 __all__ = ["DDPXStrategy", "take_comm_stats"]
 
@@ -120,6 +121,11 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
 
     # ------------------------------------------------------------------------------------------ setup
     @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # creates the process group
+        destroy_process_group_at_exit()  # so the process exits with its status, never SIGABRT
+
+    @override
     def setup_module(self, module: nn.Module) -> DistributedDataParallel:
         """Wrap ``module`` (already on its device) in our module and register the hook.
 
@@ -166,7 +172,9 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
                     "communication-hook state of the models in the checkpoint. Rename that entry of your state."
                 )
             entries = {
-                key: self.ddpx_config.hook_entry(module.comm_hook_state, module)
+                key: self.ddpx_config.hook_entry(
+                    module.comm_hook_state, module.process_group, module.reducer_state_dict()
+                )
                 for key, module in modules.items()
             }
             if self.is_global_zero:

@@ -44,6 +44,7 @@ from lightning_ddpx.config import CommHookFn, DDPXConfig, DDPXConfigAttributes, 
 from lightning_ddpx.consistency import broadcast_from_rank0
 from lightning_ddpx.distributed import DistributedDataParallel
 from lightning_ddpx.hooks import PowerSGDOptions
+from lightning_ddpx.process_exit import destroy_process_group_at_exit
 
 __all__ = ["DDPXStrategy"]
 
@@ -128,6 +129,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         self._forward_redirection = _ForwardRedirection()
         self._hook_state: Any = None  # the state registered with the module (built or given)
         self._hook_registered = False  # a module was set up with the hook: there is state worth saving
+        self._final_bucket_layout: Optional[dict[str, Any]] = None  # the last module's, kept at teardown
         # (entry,) once load_checkpoint ran -- entry is None for a checkpoint without hook state -- until the
         # hook exists; None when no checkpoint was loaded since the last setup. A tuple, not a sentinel
         # object, so the strategy survives pickling (ddpx_spawn).
@@ -158,6 +160,11 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         return self._hook_state
 
     # ------------------------------------------------------------------------------------------ setup
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # creates the process group
+        destroy_process_group_at_exit()  # so the process exits with its status, never SIGABRT
+
     @override
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
@@ -278,9 +285,13 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         Weights-only checkpoints (no optimizer states) stay weights only.
         """
         if self._hook_registered and "optimizer_states" in checkpoint and dist.is_initialized():
-            # After fit the module is unwrapped: the hook state outlives it, the bucket layout does not.
-            module = self.model if isinstance(self.model, DistributedDataParallel) else None
-            entry = self.ddpx_config.hook_entry(self._hook_state, module, dist.group.WORLD)
+            # After fit the module is unwrapped; the hook state and the bucket layout it is keyed by were kept
+            # at teardown, so a checkpoint saved then resumes exactly too.
+            if isinstance(self.model, DistributedDataParallel):
+                layout = self.model.reducer_state_dict()
+            else:
+                layout = self._final_bucket_layout
+            entry = self.ddpx_config.hook_entry(self._hook_state, dist.group.WORLD, layout)
             if entry is not None:
                 checkpoint[checkpoint_state.CHECKPOINT_KEY] = entry
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -313,6 +324,9 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         log.debug(f"{type(self).__name__}: tearing down")
         pl_module = self.lightning_module
         if isinstance(self.model, DistributedDataParallel):
+            self._final_bucket_layout = (
+                self.model.reducer_state_dict()
+            )  # for trainer.save_checkpoint after fit
             _remove_gradient_hooks(self.model)
             self.model = pl_module  # unwrap
         if (
