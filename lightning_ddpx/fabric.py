@@ -33,12 +33,14 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_ddpx import post_local_sgd_setup
 from lightning_ddpx.checkpoint_io import AtomicCheckpointIO
 from lightning_ddpx.checkpoint_state import CHECKPOINT_KEY
 from lightning_ddpx.comm_stats import CommStatsSummary
 from lightning_ddpx.config import CommHookFn, DDPXConfig, DDPXConfigAttributes, register_strategy_names
 from lightning_ddpx.distributed import DistributedDataParallel
-from lightning_ddpx.hooks import PowerSGDOptions
+from lightning_ddpx.hooks import PostLocalSGDOptions, PowerSGDOptions
+from lightning_ddpx.model_averaging import ModelAverager
 
 __all__ = ["DDPXStrategy", "take_comm_stats"]
 
@@ -57,6 +59,8 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         comm_state: the state passed to a callable ``comm_hook``. Named hooks build their own, one per model.
         comm_wrapper: ``"fp16"`` or ``"bf16"`` to compress buckets before the hook and decompress after.
         powersgd: options of ``comm_hook="powersgd"``/``"batched_powersgd"`` (``PowerSGDOptions`` or a dict).
+        post_local_sgd, model_averaging_period: post-local SGD as in the Trainer strategy; the parameters
+            of each model with a post-local SGD hook are averaged after ``optimizer.step()`` when due.
         bucket_cap_mb, first_bucket_cap_mb, find_unused_parameters, broadcast_buffers,
             gradient_as_bucket_view: passed to :class:`lightning_ddpx.DistributedDataParallel`.
     """
@@ -72,11 +76,13 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         comm_state: Optional[Any] = None,
         comm_wrapper: Optional[Literal["fp16", "bf16"]] = None,
         powersgd: Optional[Union[PowerSGDOptions, dict[str, Any]]] = None,
+        post_local_sgd: Optional[Union[PostLocalSGDOptions, dict[str, Any]]] = None,
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float = 1.0,
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
         gradient_as_bucket_view: bool = False,
+        model_averaging_period: Optional[int] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -87,6 +93,8 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             comm_state=comm_state,
             comm_wrapper=comm_wrapper,
             powersgd=powersgd,
+            post_local_sgd=post_local_sgd,
+            model_averaging_period=model_averaging_period,
             bucket_cap_mb=bucket_cap_mb,
             first_bucket_cap_mb=first_bucket_cap_mb,
             find_unused_parameters=find_unused_parameters,
@@ -104,6 +112,8 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             start_method=start_method,
         )
         self._backward_sync_control = _DDPXBackwardSyncControl()
+        # post-local SGD: (model, its averager) for each model set up with the hook, averaged after steps
+        self._averaged: list[tuple[DistributedDataParallel, ModelAverager]] = []
 
     @property
     @override
@@ -130,8 +140,21 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             f"{type(self).__name__}: wrapping in lightning_ddpx.DistributedDataParallel, {self.hook_name}"
         )
         wrapped = self.ddpx_config.wrap(module)
-        self.ddpx_config.register_hook(wrapped)
+        state = self.ddpx_config.register_hook(wrapped)
+        averager = post_local_sgd_setup.averager_for(state, self.model_averaging_period)
+        if averager is not None:
+            self._averaged.append((wrapped, averager))
         return wrapped
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """Step; then, for post-local SGD, average the parameters of the optimizer that have a gradient."""
+        output = super().optimizer_step(optimizer, **kwargs)
+        for module, averager in self._averaged:
+            if post_local_sgd_setup.owns_params(module, optimizer):
+                post_local_sgd_setup.check_optimizers([optimizer])
+                post_local_sgd_setup.average_after_step(averager, optimizer)
+        return output
 
     @override
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:

@@ -92,6 +92,10 @@ def test_every_shipped_config_builds_its_strategy(config, cli_train, monkeypatch
     assert strategy.hook_name == {"fp16_powersgd": "fp16(powersgd)"}.get(config.stem, config.stem)
     if "powersgd" in config.stem:
         assert strategy.powersgd.matrix_approximation_rank == 4
+    if config.stem == "post_local_sgd":
+        assert strategy.model_averaging_period == 4
+        assert (strategy.post_local_sgd.start_localSGD_iter, strategy.post_local_sgd.subgroup) == (20, 1)
+        assert strategy.post_local_sgd.period == 4  # model_averaging_period, filled in
 
 
 @pytest.mark.slow
