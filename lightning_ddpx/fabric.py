@@ -33,7 +33,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_ddpx import post_local_sgd_setup
+from lightning_ddpx import local_replicas, post_local_sgd_setup
 from lightning_ddpx.checkpoint_io import AtomicCheckpointIO
 from lightning_ddpx.checkpoint_state import CHECKPOINT_KEY
 from lightning_ddpx.comm_stats import CommStatsSummary
@@ -192,8 +192,11 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
                 key: self.ddpx_config.hook_entry(module.comm_hook_state, module)
                 for key, module in modules.items()
             }
+            replicas = self._local_replicas(state, modules)
             if self.is_global_zero:
                 state = {**state, CHECKPOINT_KEY: entries}
+                if replicas is not None:
+                    state[local_replicas.REPLICAS_KEY] = replicas
         super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
     @override
@@ -217,7 +220,35 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         for key, module in modules.items():
             entry = entries.get(key) if isinstance(entries, Mapping) else None
             self.ddpx_config.restore_hook_entry(module, module.comm_hook_state, entry)
+        replicas = remainder.pop(local_replicas.REPLICAS_KEY, None)
+        mine = local_replicas.replica_for_rank(replicas, self.global_rank, self.world_size)
+        for key, replica in (mine or {}).items():  # post-local SGD: this rank's own weights and optimizer
+            target = state[key] if isinstance(state, Mapping) and key in state else None
+            if isinstance(target, nn.Module):
+                self.load_module_state_dict(target, replica, strict=strict)
+            elif isinstance(target, Optimizer):
+                target.load_state_dict(replica)
         return remainder
+
+    def _local_replicas(
+        self, state: Mapping[str, Any], modules: Mapping[str, DistributedDataParallel]
+    ) -> Optional[list[Any]]:
+        """Post-local SGD: every rank's modules and optimizers of ``state``, on rank 0 (a collective; see
+        :mod:`lightning_ddpx.local_replicas`). ``None`` while the replicas are still identical."""
+        averaged = {id(module): averager for module, averager in self._averaged}
+        if not any(
+            local_replicas.replicas_may_differ(module.comm_hook_state, id(module) in averaged)
+            for module in modules.values()
+        ):
+            return None
+        mine = {
+            key: self.get_module_state_dict(obj)
+            if isinstance(obj, nn.Module)
+            else self.get_optimizer_state(obj)
+            for key, obj in state.items()
+            if isinstance(obj, (nn.Module, Optimizer))
+        }
+        return local_replicas.gather_replicas(mine)
 
     # ------------------------------------------------------------------------------------- registry
     @classmethod

@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_ddpx import checkpoint_state, post_local_sgd_setup
+from lightning_ddpx import checkpoint_state, local_replicas, post_local_sgd_setup
 from lightning_ddpx.checkpoint_io import AtomicCheckpointIO
 from lightning_ddpx.compile import apply_lightning_compile
 from lightning_ddpx.config import CommHookFn, DDPXConfig, DDPXConfigAttributes, register_strategy_names
@@ -145,6 +145,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         self._pending_hook_entry: tuple[Any] | None = None
         self._sync_blocked = 0  # depth of block_backward_sync(); read by manual optimisation
         self._averager: Optional[ModelAverager] = None  # post-local SGD: averages after optimizer_step
+        self._pending_replica: Optional[dict[str, Any]] = None  # this rank's weights from a checkpoint
         self.comm_stats_every_n_steps = comm_stats_every_n_steps
 
     # ------------------------------------------------------------------------------------ description
@@ -189,6 +190,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
                 [p.detach() for p in module.parameters()] + list(module.buffers()), dist.group.WORLD
             )
         self._pending_hook_entry = None  # a checkpoint loaded for evaluation must not leak into a later fit
+        self._pending_replica = None
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -225,6 +227,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         self.model = self._setup_model(self.model)
         self._register_ddp_hooks()
         self._restore_hook_state()
+        self._restore_local_replica()  # after the wrap, which broadcasts rank 0's weights
         apply_lightning_compile(self.model)  # torch.compile(module): split at bucket boundaries
 
     @override
@@ -312,6 +315,8 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         Also after ``fit`` (``trainer.save_checkpoint`` once training ended): the state outlives the module.
         Weights-only checkpoints (no optimizer states) stay weights only.
         """
+        if self._averager is not None and "optimizer_states" in checkpoint and dist.is_initialized():
+            self._add_local_replicas(checkpoint)
         if self._hook_registered and "optimizer_states" in checkpoint and dist.is_initialized():
             # After fit the module is unwrapped: the hook state outlives it, the bucket layout does not.
             module = self.model if isinstance(self.model, DistributedDataParallel) else None
@@ -324,10 +329,40 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Load as usual; keep the hook entry until the hook exists (``setup`` runs after loading)."""
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._take_local_replica(checkpoint)
         self._pending_hook_entry = (checkpoint.get(checkpoint_state.CHECKPOINT_KEY),)
         if isinstance(self.model, DistributedDataParallel):  # already set up: apply now
             self._restore_hook_state()
         return checkpoint
+
+    def _add_local_replicas(self, checkpoint: dict[str, Any]) -> None:
+        """Post-local SGD: every rank's weights and optimizer state (see :mod:`lightning_ddpx.local_replicas`)."""
+        if not local_replicas.replicas_may_differ(self._hook_state, averaging=True):
+            return
+        mine = {"state_dict": checkpoint["state_dict"], "optimizer_states": checkpoint["optimizer_states"]}
+        replicas = local_replicas.gather_replicas(mine, dist.group.WORLD)
+        if replicas is not None:
+            checkpoint[local_replicas.REPLICAS_KEY] = replicas
+
+    def _take_local_replica(self, checkpoint: dict[str, Any]) -> None:
+        """This rank's own optimizer state replaces rank 0's in ``checkpoint`` (Lightning loads it after
+        setup); its weights wait for the module to be wrapped."""
+        mine = local_replicas.replica_for_rank(
+            checkpoint.pop(local_replicas.REPLICAS_KEY, None), self.global_rank, self.world_size
+        )
+        self._pending_replica = mine
+        if mine is None:
+            return
+        checkpoint["optimizer_states"] = mine["optimizer_states"]
+        if isinstance(self.model, DistributedDataParallel):  # already set up: apply now
+            self._restore_local_replica()
+
+    def _restore_local_replica(self) -> None:
+        mine, self._pending_replica = self._pending_replica, None
+        if mine is not None and self.lightning_module is not None:
+            self.lightning_module.load_state_dict(
+                mine["state_dict"], strict=self.lightning_module.strict_loading
+            )
 
     def _restore_hook_state(self) -> None:
         pending, self._pending_hook_entry = self._pending_hook_entry, None

@@ -163,7 +163,8 @@ def resume_job(rank: int, world_size: int) -> dict:
     train(model, optimizer, state, range(save_at))
     buffer = io.BytesIO()
     torch.save(
-        {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "hook": state.state_dict()}, buffer
+        {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "hook": state.state_dict()},
+        buffer,
     )
     model, optimizer, state = build(buffer.getvalue())
     restored = (state.iter, state.averager.step)
