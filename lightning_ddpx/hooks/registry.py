@@ -40,8 +40,8 @@ def _stateless(hook: CommHook, name: str) -> HookFactory:
     ) -> tuple[Any, CommHook]:
         if options is not None:
             raise ValueError(
-                f"hook {name!r} takes no options; drop `powersgd=`/`post_local_sgd=` or choose a hook that "
-                "takes them ('powersgd', 'batched_powersgd', 'post_local_sgd')."
+                f"hook {name!r} takes no PowerSGD options; drop `powersgd=` or choose 'powersgd' or "
+                "'batched_powersgd'."
             )
         return process_group, hook
 
@@ -120,8 +120,10 @@ def build_comm_hook(
             "post_local_sgd must be a PostLocalSGDOptions, a dict of its fields or None, got "
             f"{type(post_local_sgd).__name__}"
         )
-    if powersgd is not None and post_local_sgd is not None:
-        raise ValueError("give either powersgd= or post_local_sgd= options: each belongs to its own hook")
+    if post_local_sgd is not None and name in _BUILTIN and name != "post_local_sgd":
+        raise ValueError(
+            f"hook {name!r} takes no post_local_sgd options; drop `post_local_sgd=` or choose 'post_local_sgd'."
+        )
     state, hook = factory(process_group, powersgd if powersgd is not None else post_local_sgd)
     if wrapper is not None:
         hook = _WRAPPERS[wrapper](hook)
