@@ -7,9 +7,9 @@ A resume from rank 0's copy alone would restart every rank from rank 0's replica
 
 So while replicas may differ, the strategies gather each rank's ``{name: state}`` (the model's state dict,
 the optimizers' states) into the checkpoint, under :data:`REPLICAS_KEY`, as a list indexed by rank; on
-resume each rank takes its own entry instead of rank 0's. The checkpoint grows by a factor of the world
-size for those entries; tensors are moved to the CPU first and everything loads with ``weights_only=True``.
-A checkpoint written with another world size cannot be split this way: every rank then resumes from rank
+resume each rank takes its own entry instead of rank 0's. The checkpoint grows by (world size - 1) times
+the model and optimizer state (rank 0's entry is empty: its state is the checkpoint's main one); tensors
+are moved to the CPU first and everything loads with ``weights_only=True``. A checkpoint written with another world size cannot be split this way: every rank then resumes from rank
 0's replica, with a warning.
 """
 
@@ -39,16 +39,18 @@ def gather_replicas(
     replica: dict[str, Any], group: Optional[dist.ProcessGroup] = None
 ) -> Optional[list[Any]]:
     """Every rank's ``replica`` (moved to the CPU), as a list on rank 0 of ``group``; ``None`` elsewhere.
+    Rank 0's own entry is ``None``: its weights and optimizer state are the checkpoint's main ones.
     A collective: every rank must call it."""
-    replica = move_data_to_device(replica, torch.device("cpu"))
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    replica = None if rank == 0 else move_data_to_device(replica, torch.device("cpu"))
     gathered: Optional[list[Any]] = [None] * world_size if rank == 0 else None
     dist.gather_object(replica, gathered, dst=dist.get_global_rank(group or dist.group.WORLD, 0), group=group)
     return gathered
 
 
 def replica_for_rank(replicas: Any, rank: int, world_size: int) -> Optional[dict[str, Any]]:
-    """This rank's entry of a checkpoint's replicas, or ``None`` (with a warning if it cannot be used)."""
+    """This rank's entry of a checkpoint's replicas, or ``None``: rank 0 (whose replica is the checkpoint's
+    main state), no replicas, or replicas of another world size (with a warning)."""
     if replicas is None:
         return None
     if not isinstance(replicas, list) or len(replicas) != world_size:
