@@ -92,6 +92,11 @@ def trainer_job(rank: int, world_size: int, directory: str) -> dict:
     out["lightning_spelling"] = parameters_of(model)
     out["lightning_spelling/adopted"] = isinstance(trainer.strategy.comm_hook_state, PostLocalSGDState)
 
+    # Gradient accumulation: the hook counts synchronised backwards, the averager optimizer steps: equal.
+    trainer, model = fit(named_strategy(), max_steps=-1, max_epochs=2, accumulate_grad_batches=2)
+    state = trainer.strategy.comm_hook_state
+    out["accumulate/state"] = (state.iter, state.averager.step)
+
     checkpoint = ModelCheckpoint(dirpath=directory, filename="pls-{epoch}", save_on_train_epoch_end=True)
     fit(named_strategy(), max_steps=-1, max_epochs=1, enable_checkpointing=True, callbacks=[checkpoint])
     path = os.path.join(directory, "pls-epoch=0.ckpt")
@@ -120,6 +125,7 @@ def test_trainer_named_hook_drifts_between_averages_and_agrees_after(trainer_res
             else:
                 assert gap > 1e-5, (step, gaps)
         assert out["named/state"] == (START, steps)
+        assert out["accumulate/state"] == (START, steps // 2)
 
 
 def test_trainer_named_hook_matches_torchs_hook_and_lightnings_spelling(trainer_results):
@@ -136,7 +142,13 @@ def test_trainer_resume_is_bit_identical_and_checkpoint_holds_the_counters(train
     for out in trainer_results:
         assert_same_tensors(out["resumed"], out["named"], "resumed vs continuous", 0.0, 0.0)
         assert out["resumed/state"] == out["named/state"]
-    entry = torch.load(trainer_results[0]["path"], weights_only=True)["lightning_ddpx"]
+    checkpoint = torch.load(trainer_results[0]["path"], weights_only=True)
+    replicas = checkpoint["lightning_ddpx_replicas"]  # rank 0's is the checkpoint's own state
+    assert replicas[0] is None and set(replicas[1]) == {"state_dict", "optimizer_states"}
+    assert not torch.equal(
+        replicas[1]["state_dict"]["net.0.weight"], checkpoint["state_dict"]["net.0.weight"]
+    )
+    entry = checkpoint["lightning_ddpx"]
     assert entry["hook"] == "post_local_sgd"
     assert entry["shared"]["iter"] == START
     assert entry["shared"]["averager_step"] == EPOCH_STEPS
