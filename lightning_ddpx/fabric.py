@@ -221,7 +221,9 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             entry = entries.get(key) if isinstance(entries, Mapping) else None
             self.ddpx_config.restore_hook_entry(module, module.comm_hook_state, entry)
         replicas = remainder.pop(local_replicas.REPLICAS_KEY, None)
-        mine = local_replicas.replica_for_rank(replicas, self.global_rank, self.world_size)
+        mine = local_replicas.replica_for_rank(
+            replicas, self.global_rank, self.world_size, averaging=bool(self._averaged)
+        )
         for key, replica in (mine or {}).items():  # post-local SGD: this rank's own weights and optimizer
             target = state[key] if isinstance(state, Mapping) and key in state else None
             if isinstance(target, nn.Module):

@@ -48,10 +48,20 @@ def gather_replicas(
     return gathered
 
 
-def replica_for_rank(replicas: Any, rank: int, world_size: int) -> Optional[dict[str, Any]]:
+def replica_for_rank(
+    replicas: Any, rank: int, world_size: int, averaging: bool = True
+) -> Optional[dict[str, Any]]:
     """This rank's entry of a checkpoint's replicas, or ``None``: rank 0 (whose replica is the checkpoint's
-    main state), no replicas, or replicas of another world size (with a warning)."""
+    main state), no replicas, replicas of another world size or a run without model ``averaging`` (those
+    two with a warning)."""
     if replicas is None:
+        return None
+    if not averaging:
+        rank_zero_warn(
+            "lightning_ddpx: the checkpoint holds every rank's own weights from post-local SGD, but this run "
+            "does not average models, so its replicas must start equal: every rank resumes from rank 0's "
+            "weights and optimizer state. Configure post-local SGD again to continue each replica exactly."
+        )
         return None
     if not isinstance(replicas, list) or len(replicas) != world_size:
         count = len(replicas) if isinstance(replicas, list) else type(replicas).__name__

@@ -101,6 +101,11 @@ def resolve_options(
     return None
 
 
+def is_configured(post_local_sgd: Optional[PostLocalSGDOptions], comm_state: Any) -> bool:
+    """Whether a strategy's options (after :func:`resolve_options`) run post-local SGD with averaging."""
+    return post_local_sgd is not None or _is_post_local_state(comm_state)
+
+
 def adopt_torch_state(state: Any, hook: Any, period: Optional[int]) -> tuple[Any, Any]:
     """torch's ``PostLocalSGDState`` + ``post_localSGD_hook`` become ours (same meaning); all else stays."""
     if (

@@ -347,8 +347,9 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     def _take_local_replica(self, checkpoint: dict[str, Any]) -> None:
         """This rank's own optimizer state replaces rank 0's in ``checkpoint`` (Lightning loads it after
         setup); its weights wait for the module to be wrapped."""
+        averaging = post_local_sgd_setup.is_configured(self.post_local_sgd, self.comm_state)
         mine = local_replicas.replica_for_rank(
-            checkpoint.pop(local_replicas.REPLICAS_KEY, None), self.global_rank, self.world_size
+            checkpoint.pop(local_replicas.REPLICAS_KEY, None), self.global_rank, self.world_size, averaging
         )
         self._pending_replica = mine
         if mine is None:

@@ -13,6 +13,7 @@ resume.
 from __future__ import annotations
 
 import os
+import warnings
 from datetime import timedelta
 
 import pytest
@@ -105,6 +106,14 @@ def trainer_job(rank: int, world_size: int, directory: str) -> dict:
     out["resumed"] = parameters_of(model)
     state = trainer.strategy.comm_hook_state
     out["resumed/state"] = (state.iter, state.averager.step)
+
+    # The same checkpoint resumed with plain DDP: replicas must start equal, so every rank takes rank 0's.
+    spread = Spread()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(DDPXStrategy(), max_steps=-1, max_epochs=2, ckpt_path=path, callbacks=[spread])
+    out["plain/gaps"] = spread.gaps
+    out["plain/warnings"] = [str(w.message) for w in caught if "post-local SGD" in str(w.message)]
     return out
 
 
@@ -136,6 +145,12 @@ def test_trainer_named_hook_matches_torchs_hook_and_lightnings_spelling(trainer_
         assert_same_tensors(
             out["named"], out["lightning_spelling"], "named vs Lightning's spelling", 0.0, 0.0
         )
+
+
+def test_resuming_with_plain_ddp_starts_every_rank_from_rank0s_replica(trainer_results):
+    for out in trainer_results:
+        assert out["plain/gaps"] and max(out["plain/gaps"]) < 1e-6
+    assert any("does not average models" in m for m in trainer_results[0]["plain/warnings"])
 
 
 def test_trainer_resume_is_bit_identical_and_checkpoint_holds_the_counters(trainer_results):

@@ -217,6 +217,8 @@ def test_replicas_of_another_world_size_warn():
     assert replica_for_rank([{"a": 1}, {"b": 2}], 1, 2) == {"b": 2}
     with pytest.warns(UserWarning, match="replicas of 3 ranks, but this run has 2"):
         assert replica_for_rank([{}, {}, {}], 0, 2) is None
+    with pytest.warns(UserWarning, match="this run does not average models"):
+        assert replica_for_rank([None, {"b": 2}], 1, 2, averaging=False) is None
 
 
 # ----------------------------------------------------------------------- subgroup=None on one machine
