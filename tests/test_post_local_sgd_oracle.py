@@ -176,3 +176,23 @@ def test_bare_module_resume_is_bit_identical():
     for out in run_distributed(resume_job, 2, timeout=120):
         assert out["restored"] == (START, START + 1)
         assert_same_tensors(out["resumed"], out["continuous"], "resumed vs continuous", 0.0, 0.0)
+
+
+# ---------------------------------------------------------------------------------------- statistics
+def stats_job(rank: int, world_size: int) -> list:
+    model = lightning_ddpx.DistributedDataParallel(make_model(), **SMALL_BUCKETS)
+    state = PostLocalSGDState(None, 1, START, period=PERIOD)
+    model.register_comm_hook(state, post_local_sgd_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    windows = []
+    for window in (range(START), range(START, START + 3)):
+        train(model, optimizer, state, window)
+        summary = model.take_comm_stats()
+        windows.append((summary.bytes_to_hook, summary.bytes_sent))
+    return windows
+
+
+def test_statistics_report_no_gradient_bytes_after_the_warm_up_with_subgroup_1():
+    (warm, local), _ = run_distributed(stats_job, 2, timeout=60)
+    assert warm[1] == warm[0] > 0  # global allreduce of every bucket
+    assert local == (warm[0], 0)  # the same buckets reach the hook; nothing is sent

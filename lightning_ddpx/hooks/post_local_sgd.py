@@ -25,7 +25,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
-from lightning_ddpx.grad_bucket import collectives_issued_on_call
+from lightning_ddpx.grad_bucket import collectives_issued_on_call, record_bytes_sent
 from lightning_ddpx.hooks.default import allreduce_hook
 from lightning_ddpx.model_averaging import (
     HierarchicalModelAverager,
@@ -341,6 +341,7 @@ def post_local_sgd_hook(
         return allreduce_hook(state.process_group, bucket)
     subgroup = state.subgroup_process_group
     if not state.post_local_gradient_allreduce or dist.get_world_size(subgroup) == 1:
+        record_bytes_sent(bucket, 0)  # nothing sent (statistics then say 0, not "unknown")
         done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         done.set_result(bucket.buffer())
         return done
