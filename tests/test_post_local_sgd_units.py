@@ -241,3 +241,39 @@ def test_default_subgroup_on_one_machine_is_every_rank_and_warns():
         and "subgroup=None means the ranks on each machine" in (results[0]["warnings"][0])
     )
     assert results[1]["warnings"] == []  # once, from rank 0
+
+
+def test_hierarchy_replaces_the_period_in_the_strategy():
+    strategy = DDPXStrategy(comm_hook="post_local_sgd", post_local_sgd={"hierarchy": {"2": 1, "4": 2}})
+    assert strategy.post_local_sgd.hierarchy == {2: 1, 4: 2} and strategy.post_local_sgd.period is None
+    with pytest.raises(ValueError, match="conflicts with post_local_sgd hierarchy"):
+        DDPXStrategy(
+            comm_hook="post_local_sgd", post_local_sgd={"hierarchy": {4: 2}}, model_averaging_period=4
+        )
+
+
+# ------------------------------------------------------------- a state built before the process group
+def lazy_job(rank: int, world_size: int) -> tuple:
+    import lightning_ddpx
+
+    state = PostLocalSGDState(None, 1, 1, period=2)  # no process group yet: groups come at the first hook
+    assert state.averager is None
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=rank,
+                            world_size=world_size)  # fmt: skip
+    try:
+        model = lightning_ddpx.DistributedDataParallel(nn.Linear(4, 2))
+        model.register_comm_hook(state, post_local_sgd_hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            model(torch.full((2, 4), float(rank + step))).sum().backward()
+            optimizer.step()
+            state.averager.average_parameters(model.parameters())
+            optimizer.zero_grad()
+        return state.iter, state.averager.step
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_state_built_before_the_process_group_creates_its_groups_at_the_first_hook():
+    assert run_distributed(lazy_job, 2, init_process_group=False, timeout=60) == [(1, 3), (1, 3)]
