@@ -19,9 +19,10 @@ import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_ddpx import checkpoint_state
+from lightning_ddpx import checkpoint_state, post_local_sgd_setup
 from lightning_ddpx.distributed import DistributedDataParallel
 from lightning_ddpx.hooks import (
+    PostLocalSGDOptions,
     PowerSGDOptions,
     available_hooks,
     bf16_compress_wrapper,
@@ -57,6 +58,10 @@ class DDPXConfig:
     comm_wrapper: Optional[Literal["fp16", "bf16"]] = None
     # Options of comm_hook="powersgd"/"batched_powersgd" (a PowerSGDOptions or a dict of its fields).
     powersgd: Optional[Union[PowerSGDOptions, dict[str, Any]]] = None
+    # Options of comm_hook="post_local_sgd" (a PostLocalSGDOptions or a dict of its fields).
+    post_local_sgd: Optional[Union[PostLocalSGDOptions, dict[str, Any]]] = None
+    # Lightning's: average the model every N steps after post-local SGD starts (see post_local_sgd_setup).
+    model_averaging_period: Optional[int] = None
     # The rest goes to lightning_ddpx.DistributedDataParallel unchanged.
     bucket_cap_mb: float = 25.0
     first_bucket_cap_mb: float = 1.0
@@ -71,6 +76,13 @@ class DDPXConfig:
         # frozen: normalise through object.__setattr__, once, here
         object.__setattr__(self, "comm_hook", comm_hook)
         object.__setattr__(self, "powersgd", _powersgd_options(comm_hook, self.powersgd))
+        object.__setattr__(
+            self,
+            "post_local_sgd",
+            post_local_sgd_setup.resolve_options(
+                comm_hook, self.comm_state, self.post_local_sgd, self.model_averaging_period
+            ),
+        )
         object.__setattr__(self, "bucket_cap_mb", float(self.bucket_cap_mb))
         object.__setattr__(self, "first_bucket_cap_mb", float(self.first_bucket_cap_mb))
 
@@ -115,9 +127,12 @@ class DDPXConfig:
                 process_group=module.process_group,
                 powersgd=self.powersgd,
                 wrapper=self.comm_wrapper,
+                post_local_sgd=self.post_local_sgd,
             )
         else:
-            state, hook = self.comm_state, self.comm_hook
+            state, hook = post_local_sgd_setup.adopt_torch_state(
+                self.comm_state, self.comm_hook, self.model_averaging_period
+            )
             if self.comm_wrapper is not None:
                 hook = _WRAPPERS[self.comm_wrapper](hook)
         module.register_comm_hook(state, hook)
@@ -182,6 +197,8 @@ class DDPXConfigAttributes:
     comm_state = _ConfigOption()
     comm_wrapper = _ConfigOption()
     powersgd = _ConfigOption()
+    post_local_sgd = _ConfigOption()
+    model_averaging_period = _ConfigOption()
     bucket_cap_mb = _ConfigOption()
     first_bucket_cap_mb = _ConfigOption()
     find_unused_parameters = _ConfigOption()
@@ -218,7 +235,7 @@ def _check_hook_arguments(comm_hook: Any, comm_state: Any, comm_wrapper: Any) ->
         if comm_state is not None:
             raise ValueError(
                 f"DDPXStrategy: comm_state is for callable hooks; the named hook {comm_hook!r} builds its own state "
-                "(configure PowerSGD through powersgd=...)."
+                "(configure PowerSGD through powersgd=..., post-local SGD through post_local_sgd=...)."
             )
         return
     if not callable(comm_hook):
@@ -264,7 +281,7 @@ def _powersgd_options(comm_hook: Any, powersgd: Any) -> Optional[PowerSGDOptions
     """
     if powersgd is None:
         return None
-    if not isinstance(comm_hook, str) or comm_hook in _OPTIONLESS_HOOKS:
+    if not isinstance(comm_hook, str) or comm_hook in (*_OPTIONLESS_HOOKS, post_local_sgd_setup.HOOK_NAME):
         raise ValueError(
             f"DDPXStrategy: powersgd options are given but comm_hook is {comm_hook!r}, which takes none. "
             f"Set comm_hook to one of {list(_POWERSGD_HOOKS)} or drop powersgd=..."
