@@ -22,6 +22,8 @@ import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
+from lightning_ddpx.errors import waiting_for
+
 __all__ = ["REPLICAS_KEY", "gather_replicas", "replica_for_rank", "replicas_may_differ"]
 
 REPLICAS_KEY = "lightning_ddpx_replicas"
@@ -44,7 +46,12 @@ def gather_replicas(
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     replica = None if rank == 0 else move_data_to_device(replica, torch.device("cpu"))
     gathered: Optional[list[Any]] = [None] * world_size if rank == 0 else None
-    dist.gather_object(replica, gathered, dst=dist.get_global_rank(group or dist.group.WORLD, 0), group=group)
+    with waiting_for(
+        "every rank's own weights and optimizer state (post-local SGD), gathered to write a checkpoint", group
+    ):
+        dist.gather_object(
+            replica, gathered, dst=dist.get_global_rank(group or dist.group.WORLD, 0), group=group
+        )
     return gathered
 
 

@@ -25,6 +25,8 @@ from typing import Any, Iterable, Mapping, Union
 import torch
 import torch.distributed as dist
 
+from lightning_ddpx.errors import waiting_for
+
 __all__ = [
     "HierarchicalModelAverager",
     "ModelAverager",
@@ -70,7 +72,8 @@ def average_parameters(params: Iterable[torch.Tensor], group: dist.ProcessGroup 
         for same_kind in by_kind.values():
             flat = torch.cat([p.detach().reshape(-1) for p in same_kind])
             flat.div_(size)
-            dist.all_reduce(flat, group=group)
+            with waiting_for("every rank's parameters to average (post-local SGD model averaging)", group):
+                dist.all_reduce(flat, group=group)
             offset = 0
             for p in same_kind:
                 p.detach().copy_(flat[offset : offset + p.numel()].view_as(p))

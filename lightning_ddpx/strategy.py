@@ -44,6 +44,7 @@ from lightning_ddpx.compile import apply_lightning_compile
 from lightning_ddpx.config import CommHookFn, DDPXConfig, DDPXConfigAttributes, register_strategy_names
 from lightning_ddpx.consistency import broadcast_from_rank0
 from lightning_ddpx.distributed import DistributedDataParallel
+from lightning_ddpx.errors import waiting_for
 from lightning_ddpx.hooks import PostLocalSGDOptions, PowerSGDOptions
 from lightning_ddpx.model_averaging import ModelAverager
 from lightning_ddpx.process_exit import destroy_process_group_at_exit
@@ -193,9 +194,10 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         else:
             # Evaluation needs no gradient reducer, but every rank must hold rank 0's weights, as in training.
             module = self.model
-            broadcast_from_rank0(
-                [p.detach() for p in module.parameters()] + list(module.buffers()), dist.group.WORLD
-            )
+            with waiting_for(f"rank 0's weights before {trainer.state.fn.value}", dist.group.WORLD):
+                broadcast_from_rank0(
+                    [p.detach() for p in module.parameters()] + list(module.buffers()), dist.group.WORLD
+                )
         self._pending_hook_entry = None  # a checkpoint loaded for evaluation must not leak into a later fit
         self._pending_replica = None
         self.setup_precision_plugin()

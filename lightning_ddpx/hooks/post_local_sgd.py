@@ -25,6 +25,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
+from lightning_ddpx.errors import waiting_for
 from lightning_ddpx.grad_bucket import collectives_issued_on_call, record_bytes_sent
 from lightning_ddpx.hooks.default import allreduce_hook
 from lightning_ddpx.model_averaging import (
@@ -306,7 +307,10 @@ def _make_subgroup(size: Optional[int], world_size: int) -> dist.ProcessGroup:
         group, _ = dist.new_subgroups(group_size=size)
         return group
     hosts: list[Any] = [None] * world_size
-    dist.all_gather_object(hosts, socket.gethostname())
+    with waiting_for(
+        "every rank's host name, to group ranks by machine (post_local_sgd subgroup=None)", None
+    ):
+        dist.all_gather_object(hosts, socket.gethostname())
     by_host: dict[str, list[int]] = {}
     for rank, host in enumerate(hosts):
         by_host.setdefault(host, []).append(rank)
