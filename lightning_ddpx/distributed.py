@@ -39,6 +39,13 @@ class DistributedDataParallel(nn.Module):
         broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to all ranks before forward.
         gradient_as_bucket_view: make ``param.grad`` views into the bucket buffers, saving one copy of the
             gradients in memory and a copy per parameter in each step.
+        static_graph: torch's meaning: the set of parameters used (and how often each gets a gradient) is the
+            same every iteration. The first synchronised iteration records it; later ones mark unused
+            parameters without walking the autograd graph, and support activation checkpointing (reentrant
+            or not) and parameters whose gradient arrives more than once per backward.
+        init_sync: check that every rank holds the same parameter shapes and broadcast rank 0's parameters
+            and buffers at construction. ``False`` (torch's meaning): skip both; the ranks must already
+            hold the same weights.
     """
 
     def __init__(
@@ -50,6 +57,8 @@ class DistributedDataParallel(nn.Module):
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
         gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        init_sync: bool = True,
     ) -> None:
         super().__init__()
         _validate_arguments(module, bucket_cap_mb, first_bucket_cap_mb)
@@ -65,6 +74,7 @@ class DistributedDataParallel(nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
         self.bucket_cap_mb = bucket_cap_mb
         self.first_bucket_cap_mb = first_bucket_cap_mb
         self.require_backward_grad_sync = True
@@ -72,10 +82,13 @@ class DistributedDataParallel(nn.Module):
 
         named = list(module.named_parameters())
         self.device = _single_device(named)
-        with waiting_for("every rank to describe its model (construction)", self.process_group):
-            verify_same_parameters(named, self.process_group, self.device)
-        with waiting_for("rank 0's parameters and buffers (construction)", self.process_group):
-            broadcast_from_rank0([p.detach() for _, p in named] + list(module.buffers()), self.process_group)
+        if init_sync:
+            with waiting_for("every rank to describe its model (construction)", self.process_group):
+                verify_same_parameters(named, self.process_group, self.device)
+            with waiting_for("rank 0's parameters and buffers (construction)", self.process_group):
+                broadcast_from_rank0(
+                    [p.detach() for _, p in named] + list(module.buffers()), self.process_group
+                )
         trainable = [(name, p) for name, p in named if p.requires_grad]
         if not trainable:
             raise ValueError(
@@ -90,6 +103,7 @@ class DistributedDataParallel(nn.Module):
             cap_bytes=megabytes_to_bytes(bucket_cap_mb),
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
         )
         self._hook_registered = False
 

@@ -87,6 +87,7 @@ class Reducer:
         cap_bytes: int,
         find_unused_parameters: bool,
         gradient_as_bucket_view: bool,
+        static_graph: bool = False,
     ) -> None:
         self.params = list(params)
         self.names = list(names)
@@ -94,7 +95,8 @@ class Reducer:
         self.world_size = dist.get_world_size(process_group)
         self.first_cap_bytes = first_cap_bytes
         self.cap_bytes = cap_bytes
-        self.find_unused_parameters = find_unused_parameters
+        self.find_unused_parameters = find_unused_parameters or static_graph
+        self.static_graph = static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
 
