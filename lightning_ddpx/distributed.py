@@ -82,6 +82,7 @@ class DistributedDataParallel(nn.Module):
 
         named = list(module.named_parameters())
         self.device = _single_device(named)
+        _check_sync_batchnorm(module, self.device)
         if init_sync:
             with waiting_for("every rank to describe its model (construction)", self.process_group):
                 verify_same_parameters(named, self.process_group, self.device)
@@ -111,8 +112,7 @@ class DistributedDataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         will_sync = self._before_forward()
         output = self.module(*args, **kwargs)
-        self._after_forward(output, will_sync)
-        return output
+        return self._after_forward(output, will_sync)
 
     # The reducer's bookkeeping is Python state (phases, bucket rebuilds, collectives): under torch.compile it
     # runs eagerly, outside the graph, so the compiled graph holds only the module's computation.
@@ -125,12 +125,12 @@ class DistributedDataParallel(nn.Module):
         return will_sync
 
     @torch.compiler.disable
-    def _after_forward(self, output: Any, will_sync: bool) -> None:
+    def _after_forward(self, output: Any, will_sync: bool) -> Any:
         self._sync_buffers_next_forward = will_sync
         if will_sync:
-            self.reducer.prepare_backward(output)
-        else:
-            self.reducer.disarm()
+            return self.reducer.prepare_backward(output)  # routed through the backward-start node
+        self.reducer.disarm()
+        return output
 
     def _broadcast_buffers(self) -> None:
         buffers = list(self.module.buffers())
@@ -281,6 +281,19 @@ def _single_device(named: list[tuple[str, nn.Parameter]]) -> torch.device:
                 "Move the whole module with module.to(device) before wrapping it."
             )
     return first.device
+
+
+def _check_sync_batchnorm(module: nn.Module, device: torch.device) -> None:
+    """torch's SyncBatchNorm has GPU kernels only: fail at construction, as torch's DDP does, not in forward."""
+    if device.type != "cpu":
+        return
+    for name, layer in module.named_modules():
+        if isinstance(layer, nn.SyncBatchNorm):
+            raise ValueError(
+                f"lightning_ddpx.DistributedDataParallel: layer {name!r} is a SyncBatchNorm, which torch implements "
+                "for GPUs only, but the module is on the CPU (torch's DDP refuses this too). Train on GPUs, or "
+                "use plain BatchNorm on the CPU (Trainer(sync_batchnorm=False))."
+            )
 
 
 def _validate_hook(hook: Callable) -> None:

@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_ddpx.backward_start import attach_backward_start
 from lightning_ddpx.bucketing import BucketInfo, BucketSpec, plan_buckets
 from lightning_ddpx.comm_stats import CommStatsWindow, StepCommStats
 from lightning_ddpx.errors import CommunicationError, waiting_for
@@ -193,12 +194,22 @@ class Reducer:
         if will_sync and self._rebuild_pending:
             self._rebuild_buckets()
 
-    def prepare_backward(self, outputs: Any) -> None:
-        """Called after a synchronising forward: arm reduction, and find unused parameters if asked."""
+    def prepare_backward(self, outputs: Any) -> Any:
+        """Called after a synchronising forward: arm reduction, and find unused parameters if asked.
+
+        Returns ``outputs`` routed through a node that starts the reduction in the outermost backward
+        (:mod:`lightning_ddpx.backward_start`); the caller hands those on in place of its own.
+        """
         self.phase = Phase.ARMED
         if self.find_unused_parameters:
             reached = reachable_parameter_indices(outputs, self._index_of)
             self._forward_unused = set(range(len(self.params))) - reached
+        return attach_backward_start(outputs, self._on_backward_start)
+
+    def _on_backward_start(self) -> None:
+        """Backward reached forward's outputs (before any gradient of forward's parameters)."""
+        if self.phase is Phase.ARMED:
+            self._begin_reduction()
 
     def allow_local_backward(self) -> None:
         """``no_sync()`` was entered: backward passes until the next forward accumulate locally, on purpose."""
