@@ -34,6 +34,7 @@ from lightning_ddpx.grad_bucket import (
 from lightning_ddpx.graph import reachable_parameter_indices
 from lightning_ddpx.launcher import InlineLauncher, SequencedLauncher
 from lightning_ddpx.profiling import label
+from lightning_ddpx.static_graph import StaticGraph
 
 __all__ = ["Reducer"]
 
@@ -96,8 +97,10 @@ class Reducer:
         self.world_size = dist.get_world_size(process_group)
         self.first_cap_bytes = first_cap_bytes
         self.cap_bytes = cap_bytes
-        self.find_unused_parameters = find_unused_parameters or static_graph
+        self.find_unused_parameters = find_unused_parameters
         self.static_graph = static_graph
+        # static_graph: the first synchronised backward's record replaces the per-step graph walk
+        self.static: StaticGraph | None = StaticGraph(self.names) if static_graph else None
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
 
@@ -172,6 +175,8 @@ class Reducer:
         self._bytes_to_hook = 0
         self._sent_log: list[int] = []
         self._hook_seconds: list[float] = []
+        if self.static is not None:
+            self.static.reset()
 
     # ------------------------------------------------------------------------------------ comm hook
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
@@ -201,7 +206,9 @@ class Reducer:
         (:mod:`lightning_ddpx.backward_start`); the caller hands those on in place of its own.
         """
         self.phase = Phase.ARMED
-        if self.find_unused_parameters:
+        if self.static is not None:
+            self._forward_unused = set(self.static.unused)  # empty while recording: nothing is known yet
+        elif self.find_unused_parameters:
             reached = reachable_parameter_indices(outputs, self._index_of)
             self._forward_unused = set(range(len(self.params))) - reached
         return attach_backward_start(outputs, self._on_backward_start)
@@ -229,6 +236,8 @@ class Reducer:
                         raise RuntimeError(self._backward_after_sync_message(index))
                     return
                 self._begin_reduction()
+            if self.static is not None and not self.static.on_gradient(index):
+                return  # more gradients of this parameter to come (or recording: all wait for the end)
             self._mark_ready(index, used=True)
 
         return on_grad_accumulated
@@ -336,12 +345,15 @@ class Reducer:
         with label("lightning_ddpx::finalize"):
             try:
                 missing = [i for i in range(len(self.params)) if not self._ready[i]]
-                if missing and not self.find_unused_parameters:
-                    self._wait_launched_quietly()
-                    raise RuntimeError(self._unused_message(missing))
-                for index in missing:  # reachable from outputs but not from the loss
-                    self._mark_ready(index, used=False)
-                globally_used = self._launch_used_bitmap() if self.find_unused_parameters else None
+                if self.static is not None:
+                    globally_used = self._finalize_static(missing)
+                else:
+                    if missing and not self.find_unused_parameters:
+                        self._wait_launched_quietly()
+                        raise RuntimeError(self._unused_message(missing))
+                    for index in missing:  # reachable from outputs but not from the loss
+                        self._mark_ready(index, used=False)
+                    globally_used = self._launch_used_bitmap() if self.find_unused_parameters else None
                 started = time.perf_counter()
                 results = [self._result_of(b) for b in range(len(self.buckets))]
                 used_counts = None
@@ -350,6 +362,10 @@ class Reducer:
                         "the used-parameter bitmap (find_unused_parameters)", self.process_group
                     ):
                         used_counts = globally_used.wait()[0].tolist()
+                    if self.static is not None:
+                        self.static.record(used_counts)
+                elif self.static is not None:
+                    used_counts = self.static.globally_used
                 self.last_exposed_comm_s = time.perf_counter() - started
                 self._write_back(results, used_counts)
                 if self.collect_stats:
@@ -357,6 +373,19 @@ class Reducer:
                 succeeded = True
             finally:
                 self._end_iteration(succeeded)
+
+    def _finalize_static(self, missing: list[int]) -> torch.futures.Future | None:
+        """static_graph: while recording, every gradient is complete now: mark all (used or not) and
+        share which are used; afterwards, a parameter short of its recorded count means the graph changed."""
+        assert self.static is not None
+        if self.static.recording:
+            for index in self.static.recording_order():
+                self._mark_ready(index, used=self.static.fires[index] > 0)
+            return self._launch_used_bitmap()
+        if missing:
+            self._wait_launched_quietly()
+            raise RuntimeError(self.static.missing_message(missing, dist.get_rank(self.process_group)))
+        return None
 
     def _record_step_stats(self) -> None:
         sent = self._sent_log
