@@ -23,6 +23,7 @@ import torch.distributed as dist
 from lightning_ddpx.backward_start import attach_backward_start
 from lightning_ddpx.bucketing import BucketInfo, BucketSpec, plan_buckets
 from lightning_ddpx.comm_stats import CommStatsWindow, StepCommStats
+from lightning_ddpx.cuda_streams import current_stream, on_stream, wait_streams
 from lightning_ddpx.errors import CommunicationError, waiting_for
 from lightning_ddpx.grad_bucket import (
     GradBucket,
@@ -103,6 +104,9 @@ class Reducer:
         self.static: StaticGraph | None = StaticGraph(self.names) if static_graph else None
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
+        # CUDA: the stream that produced each parameter's gradient (lightning_ddpx.cuda_streams)
+        self._on_cuda = any(p.device.type == "cuda" for p in self.params)
+        self._grad_streams: list[Any] = [None] * len(self.params)
 
         self.hook: CommHook = _sum_allreduce_hook
         self.hook_state: Any = process_group
@@ -171,6 +175,7 @@ class Reducer:
         self._locally_used = bytearray(len(self.params))
         self._next_launch = 0
         self._futures: list[torch.futures.Future | None] = [None] * count
+        self._launch_streams: list[Any] = [None] * count  # CUDA: the stream each bucket was filled on
         # Statistics of this iteration; the lists are appended to from the hooks' threads (atomic).
         self._bytes_to_hook = 0
         self._sent_log: list[int] = []
@@ -258,6 +263,8 @@ class Reducer:
         b = self._bucket_of[index]
         if used:
             self._locally_used[index] = 1
+            if self._on_cuda:
+                self._grad_streams[index] = torch.cuda.current_stream(self.params[index].device)
             if self.gradient_as_bucket_view:
                 self._adopt_grad_as_view(index, b)
         else:
@@ -292,15 +299,49 @@ class Reducer:
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
         with label("lightning_ddpx::launch_bucket"):
+            stream = current_stream(bucket.buffer.device)  # None off CUDA
+            others = self._other_producing_streams(bucket, stream)
+            self._launch_streams[b] = stream
             if not self.gradient_as_bucket_view:
-                self._copy_grads_into(b, bucket, self._scale_on_copy)
-            elif self._scale_on_copy is not None:
-                bucket.buffer.mul_(self._scale_on_copy)
+                if others:
+                    self._copy_on_producing_streams(b, bucket, self._scale_on_copy, stream)
+                else:
+                    self._copy_grads_into(b, bucket, self._scale_on_copy)
+            else:
+                wait_streams(stream, others)  # the views were written in each gradient's own hook
+                if self._scale_on_copy is not None:
+                    bucket.buffer.mul_(self._scale_on_copy)
             sent_log = self._sent_log if self.collect_stats else None
             grad_bucket = GradBucket(
                 b, bucket.buffer, bucket.views, bucket.params, b == len(self.buckets) - 1, sent_log
             )
-            self._futures[b] = self._launcher.submit(self._hook_call(grad_bucket, bucket.nbytes))
+            call = on_stream(stream, self._hook_call(grad_bucket, bucket.nbytes))  # also on the comm thread
+            self._futures[b] = self._launcher.submit(call)
+
+    def _other_producing_streams(self, bucket: _Bucket, stream: Any) -> list[Any]:
+        """CUDA: streams other than ``stream`` that produced gradients of this bucket (usually none)."""
+        if stream is None:
+            return []
+        used, streams = self._locally_used, self._grad_streams
+        return [streams[i] for i in bucket.spec.param_indices if used[i] and streams[i] != stream]
+
+    @torch.no_grad()
+    def _copy_on_producing_streams(self, b: int, bucket: _Bucket, scale: float | None, stream: Any) -> None:
+        """CUDA, gradients from several streams: copy each on the stream that produced it, then make the
+        launch stream wait for those streams (GPU events, no host synchronisation)."""
+        used, producers = self._locally_used, []
+        for index, param, view in zip(bucket.spec.param_indices, bucket.params, bucket.views):
+            if not used[index]:
+                view.zero_()
+                continue
+            producer = self._grad_streams[index]
+            producers.append(producer)
+            with torch.cuda.stream(producer):
+                if scale is None:
+                    view.copy_(param.grad)
+                else:
+                    torch.mul(param.grad, scale, out=view)
+        wait_streams(stream, producers)
 
     def _hook_call(self, grad_bucket: GradBucket, nbytes: int) -> Callable[[], torch.futures.Future]:
         """The hook's call on one bucket, timed into this iteration's statistics when they are kept."""
@@ -424,6 +465,9 @@ class Reducer:
         if isinstance(value, (list, tuple)) and len(value) == 1:
             value = value[0]
         buffer = self.buckets[b].buffer
+        # CUDA: torch's CUDA futures already made the current stream wait; any other future (a hook's own,
+        # the communication thread's) did not, so wait for the stream the hook ran on. No host sync.
+        wait_streams(current_stream(buffer.device), [self._launch_streams[b]])
         if (
             not isinstance(value, torch.Tensor)
             or value.numel() != buffer.numel()

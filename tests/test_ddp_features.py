@@ -152,6 +152,16 @@ def run_features(rank: int, world_size: int, checkpoint_root: str) -> dict:
         _, model = fit(strategy, max_steps=STEPS)
         out[f"args/{key}"] = parameters_of(model)
 
+    # static_graph=True through the Trainer, with gradient accumulation and reentrant checkpointing.
+    for key, model_cls, extra in (
+        ("accumulate", TinyRegressor, {"accumulate_grad_batches": 2}),
+        ("reentrant", CheckpointedReentrant, {}),
+    ):
+        _, model = fit(DDPXStrategy(static_graph=True), max_steps=STEPS, model_cls=model_cls, **extra)
+        out[f"static/{key}"] = parameters_of(model)
+        _, model = fit("ddp", max_steps=STEPS, model_cls=model_cls, **extra)
+        out[f"static/{key}/ddp"] = parameters_of(model)
+
     # init_sync=False: ranks keep their own initial weights (torch's meaning); True broadcasts rank 0's.
     for init_sync in (True, False):
         _, model = fit(DDPXStrategy(init_sync=init_sync), max_steps=1, seed=rank, limit_train_batches=0)
@@ -242,6 +252,12 @@ def test_lightning_hook_arguments_equal_our_names(results, ours, lightning):
 def test_harmless_torch_arguments_change_nothing(results):
     for rank_out in results:
         assert_same(rank_out["args/torch_kwargs"], rank_out["args/plain"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("key", ["accumulate", "reentrant"])
+def test_static_graph_in_the_trainer_matches_ddp(results, key):
+    for rank_out in results:
+        assert_same(rank_out[f"static/{key}"], rank_out[f"static/{key}/ddp"])
 
 
 def test_init_sync_false_keeps_each_ranks_weights(results):
