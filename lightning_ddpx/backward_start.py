@@ -4,56 +4,25 @@ The reducer must queue its end-of-backward callback (``_finalize``) on the graph
 ``loss.backward()``. Queued from the first gradient hook, it lands on whichever graph task produced that
 gradient: with reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``)
 that can be the nested backward of one checkpointed block, which ends while the other blocks' gradients
-are still to come. So forward's outputs pass through an identity autograd node; its backward runs first in
-the outer backward (it is the root of everything forward computed) and starts the reduction there.
-torch's DDP does the same with its ``_DDPSink``.
+are still to come. So a pre-hook goes on the autograd node of each of forward's outputs: those nodes run
+first in the outer backward (everything forward computed lies below them) and the first of them starts the
+reduction there. torch's DDP reaches the same point with its ``_DDPSink`` function; a pre-hook leaves the
+outputs as they are (a custom function's outputs could no longer be modified in place).
 """
 
 from __future__ import annotations
 
-from dataclasses import fields, is_dataclass, replace
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
-import torch
+from lightning_ddpx.graph import iter_tensors
 
 __all__ = ["attach_backward_start"]
 
 
-class _BackwardStart(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, callback: Callable[[], None], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.callback = callback
-        ctx.set_materialize_grads(False)
-        return tuple(t.view_as(t) for t in tensors)  # views: no copy of (possibly large) outputs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
-        ctx.callback()
-        return (None, *grads)
-
-
-def attach_backward_start(outputs: Any, callback: Callable[[], None]) -> Any:
-    """``outputs`` with its tensors that require grad routed through one node calling ``callback`` first
-    in backward. Containers are rebuilt (lists, tuples, named tuples, dicts, dataclasses); other objects
-    are returned as they are, and then the reduction starts from the first gradient hook instead."""
-    found: list[torch.Tensor] = []
-    _map(outputs, lambda t: found.append(t) or t)
-    if not found or not torch.is_grad_enabled():
-        return outputs
-    routed = iter(_BackwardStart.apply(callback, *found))
-    return _map(outputs, lambda t: next(routed))
-
-
-def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj) if obj.requires_grad else obj
-    if isinstance(obj, list):
-        return [_map(item, fn) for item in obj]
-    if isinstance(obj, tuple):
-        items = [_map(item, fn) for item in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    if isinstance(obj, Mapping) and type(obj) in (dict,):
-        return {key: _map(value, fn) for key, value in obj.items()}
-    if is_dataclass(obj) and not isinstance(obj, type):
-        return replace(obj, **{f.name: _map(getattr(obj, f.name), fn) for f in fields(obj) if f.init})
-    return obj
+def attach_backward_start(outputs: Any, callback: Callable[[], None]) -> None:
+    """Call ``callback()`` when backward reaches any tensor of ``outputs`` (tensors inside lists, tuples,
+    dicts and dataclasses). Outputs without an autograd node (a parameter returned as is) add nothing; then
+    the reduction starts from the first gradient hook instead."""
+    nodes = {tensor.grad_fn for tensor in iter_tensors(outputs) if tensor.grad_fn is not None}
+    for node in nodes:
+        node.register_prehook(lambda grad_outputs: callback())

@@ -112,7 +112,8 @@ class DistributedDataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         will_sync = self._before_forward()
         output = self.module(*args, **kwargs)
-        return self._after_forward(output, will_sync)
+        self._after_forward(output, will_sync)
+        return output
 
     # The reducer's bookkeeping is Python state (phases, bucket rebuilds, collectives): under torch.compile it
     # runs eagerly, outside the graph, so the compiled graph holds only the module's computation.
@@ -125,12 +126,12 @@ class DistributedDataParallel(nn.Module):
         return will_sync
 
     @torch.compiler.disable
-    def _after_forward(self, output: Any, will_sync: bool) -> Any:
+    def _after_forward(self, output: Any, will_sync: bool) -> None:
         self._sync_buffers_next_forward = will_sync
         if will_sync:
-            return self.reducer.prepare_backward(output)  # routed through the backward-start node
-        self.reducer.disarm()
-        return output
+            self.reducer.prepare_backward(output)
+        else:
+            self.reducer.disarm()
 
     def _broadcast_buffers(self) -> None:
         buffers = list(self.module.buffers())

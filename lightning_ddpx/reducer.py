@@ -204,11 +204,11 @@ class Reducer:
         if will_sync and self._rebuild_pending:
             self._rebuild_buckets()
 
-    def prepare_backward(self, outputs: Any) -> Any:
+    def prepare_backward(self, outputs: Any) -> None:
         """Called after a synchronising forward: arm reduction, and find unused parameters if asked.
 
-        Returns ``outputs`` routed through a node that starts the reduction in the outermost backward
-        (:mod:`lightning_ddpx.backward_start`); the caller hands those on in place of its own.
+        The reduction starts when backward reaches ``outputs`` (:mod:`lightning_ddpx.backward_start`), so
+        the end-of-backward callback belongs to the outermost backward, or at the first gradient hook.
         """
         self.phase = Phase.ARMED
         if self.static is not None:
@@ -216,7 +216,7 @@ class Reducer:
         elif self.find_unused_parameters:
             reached = reachable_parameter_indices(outputs, self._index_of)
             self._forward_unused = set(range(len(self.params))) - reached
-        return attach_backward_start(outputs, self._on_backward_start)
+        attach_backward_start(outputs, self._on_backward_start)
 
     def _on_backward_start(self) -> None:
         """Backward reached forward's outputs (before any gradient of forward's parameters)."""

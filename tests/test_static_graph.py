@@ -75,6 +75,27 @@ class SharedCheckpointedNonReentrant(SharedCheckpointed):
     use_reentrant = False
 
 
+class CheckpointedOnce(nn.Module):
+    """Every parameter inside reentrant checkpoints, each used once: torch's dynamic DDP handles it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.detach().requires_grad_()  # reentrant checkpoints pass gradients only to inputs needing them
+        for block in self.blocks:
+            x = torch.tanh(checkpoint(block, x, use_reentrant=True))
+        return x
+
+
+def inplace_loss(model: nn.Module, step: int) -> torch.Tensor:
+    """Forward's output modified in place before the loss (the module must not wrap its outputs)."""
+    out = model(rank_batch(dist.get_rank(), step, (8, 16)))
+    out.mul_(2.0)
+    return out.pow(2).mean()
+
+
 def loss(model: nn.Module, step: int) -> torch.Tensor:
     rank = dist.get_rank()
     return model(rank_batch(rank, step, (8, 16))).pow(2).mean() * (rank + 1)
@@ -156,6 +177,16 @@ def run_all(rank: int, world_size: int) -> dict:
             rank, SharedCheckpointedNonReentrant, static, {"find_unused_parameters": True}, accumulate=2
         ),
     }
+    # Without static_graph: the reduction starts in the outermost backward (lightning_ddpx/backward_start.py).
+    scenarios["dynamic_checkpoint_reentrant"] = lambda: scenario(rank, CheckpointedOnce, {}, {})
+    scenarios["dynamic_inplace_output"] = lambda: train_side_by_side(
+        rank,
+        WithUnused,
+        inplace_loss,
+        STEPS,
+        {"find_unused_parameters": True},
+        {"find_unused_parameters": True},
+    )
     out: dict = {}
     for name, run in scenarios.items():
         try:
@@ -183,6 +214,8 @@ SCENARIOS = [
     "checkpoint_non_reentrant_shared",
     "no_sync_accumulation",
     "no_sync_checkpointed",
+    "dynamic_checkpoint_reentrant",
+    "dynamic_inplace_output",
 ]
 
 
