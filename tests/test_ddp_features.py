@@ -79,6 +79,48 @@ def state_of(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: t.detach().clone() for name, t in model.state_dict().items()}
 
 
+class UnusedHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.unused_head = nn.Linear(8, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def fabric_with_lightning_arguments(rank: int, out: dict) -> None:
+    """Fabric's DDPX strategy with Lightning's hook names and torch's static_graph, against torch's DDP with
+    the same hook and static_graph=True driven by hand (Fabric's own DDPStrategy ignores hooks on CPU)."""
+    import copy
+
+    from lightning.fabric import Fabric
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from lightning_ddpx.fabric import DDPXStrategy as FabricDDPXStrategy
+
+    strategy = FabricDDPXStrategy(ddp_comm_hook=default_hooks.fp16_compress_hook, static_graph=True)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(0)
+    base = UnusedHead()
+    reference = nn.parallel.DistributedDataParallel(copy.deepcopy(base), static_graph=True)
+    reference.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    model = copy.deepcopy(base)
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(STEPS):
+        x, y = torch.randn(4, 8, generator=generator), torch.randn(4, 4, generator=generator)
+        fabric.backward(nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    out["fabric/ours"] = parameters_of(model.module)
+    out["fabric/torch"] = parameters_of(reference.module)
+
+
 def run_features(rank: int, world_size: int, checkpoint_root: str) -> dict:
     quiet()
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -161,6 +203,8 @@ def run_features(rank: int, world_size: int, checkpoint_root: str) -> dict:
         out[f"static/{key}"] = parameters_of(model)
         _, model = fit("ddp", max_steps=STEPS, model_cls=model_cls, **extra)
         out[f"static/{key}/ddp"] = parameters_of(model)
+
+    fabric_with_lightning_arguments(rank, out)
 
     # init_sync=False: ranks keep their own initial weights (torch's meaning); True broadcasts rank 0's.
     for init_sync in (True, False):
@@ -258,6 +302,12 @@ def test_harmless_torch_arguments_change_nothing(results):
 def test_static_graph_in_the_trainer_matches_ddp(results, key):
     for rank_out in results:
         assert_same(rank_out[f"static/{key}"], rank_out[f"static/{key}/ddp"])
+
+
+def test_fabric_takes_lightnings_hook_names_and_static_graph(results):
+    for rank_out in results:
+        assert_same(rank_out["fabric/ours"], rank_out["fabric/torch"], rtol=1e-3, atol=1e-4)  # fp16 hook
+        assert "unused_head.weight" in rank_out["fabric/ours"]
 
 
 def test_init_sync_false_keeps_each_ranks_weights(results):
