@@ -19,10 +19,10 @@ from lightning_ddpx.graph import iter_tensors
 __all__ = ["attach_backward_start"]
 
 
-def attach_backward_start(outputs: Any, callback: Callable[[], None]) -> None:
+def attach_backward_start(outputs: Any, callback: Callable[[], None]) -> list[Any]:
     """Call ``callback()`` when backward reaches any tensor of ``outputs`` (tensors inside lists, tuples,
-    dicts and dataclasses). Outputs without an autograd node (a parameter returned as is) add nothing; then
+    dicts and dataclasses); return the hooks' handles, to remove them once the iteration is over (an output
+    node may outlive it). Outputs without an autograd node (a parameter returned as is) add nothing; then
     the reduction starts from the first gradient hook instead."""
     nodes = {tensor.grad_fn for tensor in iter_tensors(outputs) if tensor.grad_fn is not None}
-    for node in nodes:
-        node.register_prehook(lambda grad_outputs: callback())
+    return [node.register_prehook(lambda grad_outputs: callback()) for node in nodes]

@@ -121,6 +121,7 @@ class Reducer:
         # arriving then comes from a second backward of the same forward, which would stay local.
         self._synced_since_forward = False
         self._forward_unused: set[int] = set()
+        self._start_hooks: list[Any] = []  # pre-hooks on the last synchronising forward's output nodes
         self._observed_order: list[int] = []
         self.last_exposed_comm_s = 0.0
         self.last_step_stats: StepCommStats | None = None
@@ -216,7 +217,13 @@ class Reducer:
         elif self.find_unused_parameters:
             reached = reachable_parameter_indices(outputs, self._index_of)
             self._forward_unused = set(range(len(self.params))) - reached
-        attach_backward_start(outputs, self._on_backward_start)
+        self._remove_start_hooks()
+        self._start_hooks = attach_backward_start(outputs, self._on_backward_start)
+
+    def _remove_start_hooks(self) -> None:
+        for handle in self._start_hooks:
+            handle.remove()
+        self._start_hooks = []
 
     def _on_backward_start(self) -> None:
         """Backward reached forward's outputs (before any gradient of forward's parameters)."""
@@ -509,6 +516,7 @@ class Reducer:
 
     def _end_iteration(self, succeeded: bool) -> None:
         self.phase = Phase.IDLE
+        self._remove_start_hooks()
         self._synced_since_forward = succeeded
         if succeeded:
             self.iterations_synced += 1
