@@ -68,6 +68,10 @@ class DDPXConfig:
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True
     gradient_as_bucket_view: bool = False
+    # torch's static_graph: record used parameters in the first iteration, no graph walk afterwards.
+    static_graph: bool = False
+    # torch's init_sync: check the model across ranks and broadcast rank 0's state at construction.
+    init_sync: bool = True
 
     def __post_init__(self) -> None:
         _check_bucket_caps(self.bucket_cap_mb, self.first_bucket_cap_mb)
@@ -112,6 +116,8 @@ class DDPXConfig:
             find_unused_parameters=self.find_unused_parameters,
             broadcast_buffers=self.broadcast_buffers,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
+            static_graph=self.static_graph,
+            init_sync=self.init_sync,
         )
 
     def register_hook(self, module: DistributedDataParallel) -> Any:
@@ -204,6 +210,8 @@ class DDPXConfigAttributes:
     find_unused_parameters = _ConfigOption()
     broadcast_buffers = _ConfigOption()
     gradient_as_bucket_view = _ConfigOption()
+    static_graph = _ConfigOption()
+    init_sync = _ConfigOption()
     hook_name = _ConfigOption()
 
 
