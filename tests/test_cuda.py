@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_default
+from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as torch_post_local
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
 import lightning_ddpx
@@ -78,7 +79,20 @@ HOOK_PAIRS: dict[str, tuple[dict, Callable[[], tuple[Any, Callable]], dict, floa
         1e-6,
     ),
     "batched_powersgd": (ONE_BUCKET, _torch_batched_powersgd, {"bucket_cap_mb": 100.0}, 1e-5, 1e-6),
+    # Both default subgroups are the ranks on this machine (torch: its GPU count), so local SGD is plain DDP
+    # here; the hook's switch at START and its bookkeeping are what this compares (no model averaging).
+    "post_local_sgd": (
+        SMALL_BUCKETS,
+        lambda: (
+            torch_post_local.PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=START),
+            torch_post_local.post_localSGD_hook,
+        ),
+        {},
+        1e-6,
+        1e-7,
+    ),
 }
+POST_LOCAL_SGD = {"start_localSGD_iter": START, "period": 1}
 
 
 # ---------------------------------------------------------------------------------------- everywhere
@@ -127,7 +141,12 @@ def _train_pair(rank: int, name: str) -> None:
     base = convnet().cuda()
     ours = lightning_ddpx.DistributedDataParallel(copy.deepcopy(base), **ours_kwargs)
     powersgd = PowerSGDOptions(**POWERSGD) if "powersgd" in name else None
-    ours.register_comm_hook(*build_comm_hook(name, process_group=ours.process_group, powersgd=powersgd))
+    post_local_sgd = POST_LOCAL_SGD if name == "post_local_sgd" else None
+    ours.register_comm_hook(
+        *build_comm_hook(
+            name, process_group=ours.process_group, powersgd=powersgd, post_local_sgd=post_local_sgd
+        )
+    )
     theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), device_ids=[rank], **torch_kwargs)
     theirs.register_comm_hook(*torch_hook())
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.02) for m in (ours, theirs)]
