@@ -50,19 +50,18 @@ POWERSGD = dict(start_powerSGD_iter=START, matrix_approximation_rank=2)
 
 
 def _torch_batched_powersgd() -> tuple[Any, Callable]:
-    # torch 2.13's batched hook hands 2-D matrices to its 3-D-only _orthogonalize (see test_hooks_oracle.py)
+    # torch 2.13's batched hook hands 2-D matrices to its 3-D-only _orthogonalize (see test_hooks_oracle.py).
+    # Patched for the rest of this worker process, not around the hook call: on CUDA the hook's second
+    # half runs later, in a callback of its allreduce, after the hook has returned.
     original = torch_powersgd._orthogonalize
+    if not getattr(original, "accepts_2d", False):
 
-    def hook(state: Any, bucket: Any) -> torch.futures.Future:
-        torch_powersgd._orthogonalize = lambda m, epsilon=0: original(
-            m.unsqueeze(0) if m.dim() == 2 else m, epsilon
-        )
-        try:
-            return torch_powersgd.batched_powerSGD_hook(state, bucket)
-        finally:
-            torch_powersgd._orthogonalize = original
+        def orthogonalize(m: torch.Tensor, epsilon: float = 0) -> Any:
+            return original(m.unsqueeze(0) if m.dim() == 2 else m, epsilon)
 
-    return torch_powersgd.PowerSGDState(None, **POWERSGD), hook
+        orthogonalize.accepts_2d = True  # type: ignore[attr-defined]
+        torch_powersgd._orthogonalize = orthogonalize
+    return torch_powersgd.PowerSGDState(None, **POWERSGD), torch_powersgd.batched_powerSGD_hook
 
 
 # name -> (our construction kwargs, torch's (state, hook), torch's DDP kwargs, rtol, atol)
@@ -266,7 +265,9 @@ def run_two_streams(rank: int, world_size: int) -> dict[str, Any]:
     try:
         torch.manual_seed(0)
         plain = TwoStreams().cuda()
-        wrapped = lightning_ddpx.DistributedDataParallel(copy.deepcopy(plain), **ONE_BUCKET)
+        twin = TwoStreams().cuda()  # its own streams (a Stream cannot be deep-copied), rank 0's weights
+        twin.load_state_dict(plain.state_dict())
+        wrapped = lightning_ddpx.DistributedDataParallel(twin, **ONE_BUCKET)
         x = torch.randn(64, 256, device="cuda")
         for model in (plain, wrapped):
             model(x).pow(2).mean().backward()

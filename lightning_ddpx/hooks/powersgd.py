@@ -109,13 +109,14 @@ def _draw_q(state: PowerSGDState, q: torch.Tensor, draw_sizes: tuple[int, ...]) 
     slicing). Every rank draws the same numbers.
     """
     generator = torch.Generator().manual_seed(int(state.shared.rng.randint(1_000_000_000)))
-    target = q if q.device.type == "cpu" else torch.empty(q.numel(), dtype=q.dtype)
+    flat = q.view(-1)  # slices of draw_sizes elements, whatever q's shape (the square runtime's is 2-D)
+    target = flat if q.device.type == "cpu" else torch.empty(q.numel(), dtype=q.dtype)
     offset = 0
     for size in draw_sizes:
         target[offset : offset + size].normal_(generator=generator)
         offset += size
-    if target is not q:
-        q.copy_(target)
+    if target is not flat:
+        flat.copy_(target)  # drawn on the CPU generator, as torch does, then moved to q's device
 
 
 def _claim_memory(state: PowerSGDState, index: int, signature: tuple[int, ...]) -> None:
