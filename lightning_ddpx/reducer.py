@@ -65,10 +65,11 @@ class Phase(enum.Enum):
 class _Bucket:
     """Runtime storage for one :class:`BucketSpec`: the flat buffer and per-parameter views into it."""
 
-    __slots__ = ("spec", "buffer", "views", "params", "nbytes")
+    __slots__ = ("spec", "buffer", "views", "params", "nbytes", "names")
 
-    def __init__(self, spec: BucketSpec, params: Sequence[torch.nn.Parameter]) -> None:
+    def __init__(self, spec: BucketSpec, params: Sequence[torch.nn.Parameter], names: Sequence[str]) -> None:
         self.spec = spec
+        self.names = tuple(names[i] for i in spec.param_indices)
         self.buffer = torch.zeros(spec.numel, dtype=spec.dtype, device=spec.device)
         self.nbytes = self.buffer.numel() * self.buffer.element_size()
         self.params = [params[i] for i in spec.param_indices]
@@ -140,7 +141,7 @@ class Reducer:
             numels, [p.dtype for p in self.params], [p.device for p in self.params], order,
             self.first_cap_bytes, self.cap_bytes,
         )  # fmt: skip
-        self.buckets = [_Bucket(spec, self.params) for spec in specs]
+        self.buckets = [_Bucket(spec, self.params, self.names) for spec in specs]
         self._bucket_of = [0] * len(self.params)
         self._position_of = [0] * len(self.params)
         for b, bucket in enumerate(self.buckets):
@@ -320,8 +321,9 @@ class Reducer:
                     bucket.buffer.mul_(self._scale_on_copy)
             sent_log = self._sent_log if self.collect_stats else None
             grad_bucket = GradBucket(
-                b, bucket.buffer, bucket.views, bucket.params, b == len(self.buckets) - 1, sent_log
-            )
+                b, bucket.buffer, bucket.views, bucket.params, b == len(self.buckets) - 1, sent_log,
+                names=bucket.names,
+            )  # fmt: skip
             call = on_stream(stream, self._hook_call(grad_bucket, bucket.nbytes))  # also on the comm thread
             self._futures[b] = self._launcher.submit(call)
 
