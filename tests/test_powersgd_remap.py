@@ -150,7 +150,9 @@ def test_explode_then_assemble_into_another_layout_moves_every_piece() -> None:
     # back again: the original packing is reproduced exactly
     q_back, error_back = explode(new, new_names, new_q, new_error)
     again_q, again_error = torch.zeros_like(q), torch.zeros_like(error)
-    assert assemble(old, names, q_back, again_q, "q") and assemble(old, names, error_back, again_error, "error")
+    assert assemble(old, names, q_back, again_q, "q") and assemble(
+        old, names, error_back, again_error, "error"
+    )
     assert torch.equal(again_q, q) and torch.equal(again_error, error)
 
 
