@@ -1,5 +1,6 @@
 """Time to accuracy (``--convergence``, benchmarks/bench_convergence.py): the summary and recommendation
-logic on hand-made curves, the two built-in tasks' data, and two short end-to-end smoke runs (loopback)."""
+logic on hand-made curves, the two built-in tasks' data, and two short end-to-end smoke runs (loopback, one contender each: a contender is a Trainer.fit in 2 fresh
+processes, about 25 s on 2 quiet cores)."""
 
 from __future__ import annotations
 
@@ -175,21 +176,19 @@ def test_convergence_mode_trains_a_users_module_per_contender(tmp_path: Any) -> 
     done = _run([
         sys.executable, "-m", "lightning_ddpx.bench", "--convergence",
         "--model", "tests.test_bench_convergence:TinyModule", "--datamodule", "tests.test_bench_convergence:TinyData",
-        "--hooks", "torch-ddp,powersgd-r1", "--max-steps", "4", "--val-every", "2",
+        "--hooks", "powersgd-r1", "--max-steps", "4", "--val-every", "2",
         "--json", json_path, "--png", png_path,
     ])  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     with open(json_path) as f:
         result = json.load(f)
     rows = {row["name"]: row for row in result["rows"]}
-    assert list(rows) == ["torch-ddp", "powersgd-r1"]
-    assert all(row["steps"] == 4 for row in rows.values())
+    assert list(rows) == ["powersgd-r1"] and rows["powersgd-r1"]["steps"] == 4
     assert [p["step"] for p in result["runs"]["powersgd-r1"]["val"]] == [2, 4]
     gradient_bytes = 4 * sum(p.numel() for p in TinyModule().parameters())
-    assert rows["torch-ddp"]["bytes_per_step"] == gradient_bytes
     assert rows["powersgd-r1"]["bytes_per_step"] == gradient_bytes  # 4 steps < start_powerSGD_iter: allreduce
-    assert rows["powersgd-r1"]["within_tolerance"] is not None  # checked against torch's DDP
-    assert "could not be checked" in result["recommendation"]  # no allreduce run: no recommendation
+    assert rows["powersgd-r1"]["within_tolerance"] is None  # no lossless run to compare with
+    assert "could not be checked" in result["recommendation"]
     with open(png_path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
@@ -198,12 +197,13 @@ def test_convergence_mode_trains_a_users_module_per_contender(tmp_path: Any) -> 
 def test_bench_convergence_quick_run_writes_table_and_plot(tmp_path: Any) -> None:
     done = _run([
         sys.executable, "benchmarks/bench_convergence.py", "--quick", "--tasks", "digits",
-        "--hooks", "allreduce,powersgd-r2", "--out", str(tmp_path),
+        "--hooks", "allreduce", "--out", str(tmp_path),
     ])  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     with open(os.path.join(tmp_path, "digits_loopback.json")) as f:
         saved = json.load(f)
-    assert set(saved["runs"]) == {"allreduce", "powersgd-r2"} and saved["max_steps"] == 8
+    assert set(saved["runs"]) == {"allreduce"} and saved["max_steps"] == 8
+    assert [p["step"] for p in saved["runs"]["allreduce"]["val"]] == [4, 8]
     assert saved["accuracy"]["allreduce"] is True
     with open(os.path.join(tmp_path, "digits.md")) as f:
         assert "final val_acc" in f.read()
