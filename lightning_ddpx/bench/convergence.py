@@ -134,7 +134,8 @@ class ConvergenceRow:
     name: str
     steps: int
     step_ms: float  # median training step (validation excluded)
-    bytes_per_step: float | None  # mean payload bytes its collectives sent per step
+    bytes_per_step: float | None  # mean payload bytes its collectives sent per step (warm-up included)
+    bytes_per_step_median: float | None  # median: what a step sends once PowerSGD compresses
     final_metric: float | None  # mean of the last two validations (equal steps for every contender)
     time_to_target_s: float | None  # None: never reached the target
     vs_torch: float | None  # time_to_target / torch-ddp's time_to_target
@@ -196,6 +197,7 @@ def summarize_runs(
                 steps=len(times),
                 step_ms=steps_ms[len(steps_ms) // 2],
                 bytes_per_step=sum(sent) / len(sent) if sent else None,
+                bytes_per_step_median=sorted(sent)[len(sent) // 2] if sent else None,
                 final_metric=final,
                 time_to_target_s=None if target is None else _reached(run["val"], target, mode),
                 vs_torch=None,

@@ -37,11 +37,21 @@ def render_convergence_table(rows: list[ConvergenceRow], metric: str, target: fl
             {True: "yes", False: "NO", None: "-"}[r.within_tolerance] if r.lossy else "exact",
             f"{r.step_ms:.0f}",
             opt(None if r.bytes_per_step is None else r.bytes_per_step / 1e6, ".3f"),
+            opt(None if r.bytes_per_step_median is None else r.bytes_per_step_median / 1e6, ".3f"),
         ]
         for r in rows
     ]
     reach = f"s to {metric} {target:.4f}" if target is not None else "s to target"
-    header = ["contender", reach, "/ torch-ddp", f"final {metric}", "within tol.", "step ms", "MB sent/step"]
+    header = [
+        "contender",
+        reach,
+        "/ torch-ddp",
+        f"final {metric}",
+        "within tol.",
+        "step ms",
+        "MB/step mean",
+        "median",
+    ]
     return format_table(header, body)
 
 
