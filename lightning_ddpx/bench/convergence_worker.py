@@ -154,6 +154,8 @@ def run(rank: int, config: dict[str, Any]) -> dict[str, Any]:
         "val": recorder.val,
         "gradient_bytes": gradient_bytes,
         "param_numel": sum(p.numel() for p in module.parameters()),
+        # 1-minute load average when training ended: how busy the machine was (a shared one is noisy).
+        "loadavg_1min": os.getloadavg()[0],
     }
 
 
