@@ -149,7 +149,7 @@ def report(args: argparse.Namespace, task: str) -> None:
     with open(os.path.join(args.out, f"{task}.md"), "w") as f:
         f.write(text)
     png = os.path.join(args.img, f"convergence_{task}.png")
-    title = f"{task}: validation accuracy vs training wall time, 2 CPU processes (dotted: target)"
+    title = f"{task}: validation accuracy vs training wall time, 2 processes (dotted line: target)"
     print(write_curves(panels, "val_acc", targets, title, png) or f"plot: {png}", flush=True)
 
 

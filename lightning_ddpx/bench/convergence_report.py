@@ -71,9 +71,12 @@ def write_curves(
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         return "matplotlib is not installed (pip install 'lightning-ddpx[bench]'); no plot written"
-    figure, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False)
+    width = 4.4 * len(panels) + 1.8  # the legend gets its own 1.8 inches on the right
+    figure, axes = plt.subplots(1, len(panels), figsize=(width, 3.8), squeeze=False, sharey=True)
+    low, high = _y_range(panels)
     for axis, (link, runs) in zip(axes[0], panels.items()):
         for name, run in runs.items():
             points = [(p["time_s"], p["metric"]) for p in run["val"] if p["metric"] is not None]
@@ -81,13 +84,15 @@ def write_curves(
                 continue
             xs, ys = zip(*points)
             style = "--" if name.endswith("-noef") else "-"
-            width = 2.2 if name in ("torch-ddp", "powersgd-r2", "powersgd-r4") else 1.2
-            axis.plot(xs, ys, style, color=_COLOURS.get(name), lw=width, label=name, marker=".", ms=3)
+            line = 2.2 if name in ("torch-ddp", "powersgd-r2", "powersgd-r4") else 1.2
+            axis.plot(xs, ys, style, color=_COLOURS.get(name), lw=line, label=name, marker=".", ms=3)
         if targets.get(link) is not None:
             axis.axhline(targets[link], color="#bbbbbb", lw=0.8, ls=":")
         axis.set_title(link, fontsize=10)
         axis.set_xlabel("training wall time (s)")
         axis.set_xscale("log")
+        axis.set_ylim(low, high)
+        axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         axis.grid(alpha=0.3, which="both")
     axes[0][0].set_ylabel(metric)
     handles, labels = axes[0][0].get_legend_handles_labels()
@@ -99,7 +104,27 @@ def write_curves(
                 labels.append(label)
     figure.legend(handles, labels, loc="center right", fontsize=8)
     figure.suptitle(title, fontsize=10)
-    figure.tight_layout(rect=(0, 0, 0.85, 1))
+    figure.subplots_adjust(left=0.8 / width, right=1 - 1.9 / width, bottom=0.14, top=0.84, wspace=0.06)
     figure.savefig(path, dpi=100)
     plt.close(figure)
     return None
+
+
+def _y_range(panels: dict[str, dict[str, dict[str, Any]]]) -> tuple[float, float]:
+    """From the reference's first validation to the best value: the region where contenders differ.
+
+    Curves far below (a contender that never learns) leave the panel at the bottom; the table has them.
+    """
+    values = [p["metric"] for runs in panels.values() for run in runs.values() for p in run["val"]]
+    values = [v for v in values if v is not None]
+    if not values:
+        return 0.0, 1.0
+    firsts = [
+        runs[name]["val"][0]["metric"]
+        for runs in panels.values()
+        for name in ("torch-ddp", "allreduce")
+        if name in runs and runs[name]["val"] and runs[name]["val"][0]["metric"] is not None
+    ]
+    low, high = (min(firsts) if firsts else min(values)), max(values)
+    margin = 0.05 * (high - low or 1.0)
+    return low - margin, high + margin
