@@ -151,6 +151,14 @@ def report(args: argparse.Namespace, task: str) -> None:
     png = os.path.join(args.img, f"convergence_{task}.png")
     title = f"{task}: validation accuracy vs training wall time, 2 processes (dotted line: target)"
     print(write_curves(panels, "val_acc", targets, title, png) or f"plot: {png}", flush=True)
+    # Accuracy against steps on the link with the most contenders: what each hook's steps are worth.
+    link = max(panels, key=lambda name: len(panels[name]))
+    png = os.path.join(args.img, f"convergence_{task}_steps.png")
+    title = f"{task}: validation accuracy vs step ({link} runs; the link does not change it)"
+    print(
+        write_curves({link: panels[link]}, "val_acc", {link: targets[link]}, title, png, x="step")
+        or f"plot: {png}"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

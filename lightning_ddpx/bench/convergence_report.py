@@ -61,8 +61,10 @@ def write_curves(
     targets: dict[str, float | None],
     title: str,
     path: str,
+    x: str = "time_s",
 ) -> str | None:
-    """One panel per link (``panels[link][contender] = rank 0's record``), metric against wall time.
+    """One panel per link (``panels[link][contender] = rank 0's record``), metric against wall time
+    (``x="time_s"``) or against steps (``x="step"``: accuracy at equal steps, where the link plays no part).
 
     Returns ``None`` when written, else why not (matplotlib is the optional ``bench`` extra).
     """
@@ -79,7 +81,7 @@ def write_curves(
     low, high = _y_range(panels)
     for axis, (link, runs) in zip(axes[0], panels.items()):
         for name, run in runs.items():
-            points = [(p["time_s"], p["metric"]) for p in run["val"] if p["metric"] is not None]
+            points = [(p[x], p["metric"]) for p in run["val"] if p["metric"] is not None]
             if not points:
                 continue
             xs, ys = zip(*points)
@@ -89,8 +91,9 @@ def write_curves(
         if targets.get(link) is not None:
             axis.axhline(targets[link], color="#bbbbbb", lw=0.8, ls=":")
         axis.set_title(link, fontsize=10)
-        axis.set_xlabel("training wall time (s)")
-        axis.set_xscale("log")
+        axis.set_xlabel("training wall time (s)" if x == "time_s" else "step")
+        if x == "time_s":
+            axis.set_xscale("log")
         axis.set_ylim(low, high)
         axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         axis.grid(alpha=0.3, which="both")
