@@ -23,7 +23,7 @@ from lightning_ddpx.bench.convergence import (
     recommend_from_convergence,
     summarize_runs,
 )
-from lightning_ddpx.bench.convergence_cli import load_accuracy_verdicts
+from lightning_ddpx.bench.convergence_cli import DEFAULT_CONTENDERS, load_accuracy_verdicts
 from lightning_ddpx.bench.report import recommend
 from lightning_ddpx.bench.tasks import DigitsCNN, DigitsUpscaled, PydocText, pydoc_tokens
 from tests.test_bench_cli import _row
@@ -209,3 +209,19 @@ def test_bench_convergence_quick_run_writes_table_and_plot(tmp_path: Any) -> Non
         assert "final val_acc" in f.read()
     with open(os.path.join(tmp_path, "convergence_digits.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_convergence_arguments_are_checked_before_any_process_starts(capsys: Any) -> None:
+    from lightning_ddpx.bench.cli import parse_args
+
+    args = parse_args(["--convergence", "--model", "digits", "--hooks", "allreduce,powersgd-r4-noef"])
+    assert args.hooks == ["allreduce", "powersgd-r4-noef"] and args.max_steps == 200
+    assert parse_args(["--convergence", "--model", "digits"]).hooks == DEFAULT_CONTENDERS.split(",")
+    for extra, expected in (
+        (["--max-steps", "10", "--val-every", "10"], "at least two validations"),
+        (["--hooks", "powersgd-r3"], "unknown contender(s) ['powersgd-r3']"),
+        (["--tolerance", "-0.1"], "--tolerance must be >= 0"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_args(["--convergence", "--model", "digits", *extra])
+        assert expected in capsys.readouterr().err, extra
