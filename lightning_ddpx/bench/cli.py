@@ -4,10 +4,18 @@
     python -m lightning_ddpx.bench --model mypkg.models:build --input-shape 32,1024 --steps 30
     python -m lightning_ddpx.bench --model mlp --link 1gbit --json bench.json --png bench.png   # needs root
 
+    # time to accuracy: Trainer.fit of your LightningModule (+ DataModule) once per contender
+    python -m lightning_ddpx.bench --convergence --model mypkg.task:MyModule --datamodule mypkg.task:MyData \
+        --max-steps 300 --val-every 25 --link 1gbit --json conv.json --png conv.png
+    python -m lightning_ddpx.bench --convergence --model digits      # a built-in task: digits | pydoc-lm
+    python -m lightning_ddpx.bench --model mlp --accuracy-from conv.json  # lossy hooks only if they passed
+
 Every hook (and torch's DDP as the reference) trains a copy of the model in the same processes, timed
 interleaved in short blocks so that machine noise hits all of them alike. Reported per hook: step time
 (median, p25-p75), the ratio to plain allreduce (median of same-round pairs), bytes sent per step, exposed
-communication, the known accuracy cost, and one recommendation.
+communication, the known accuracy cost, and one recommendation. A lossy hook (fp16, bf16, PowerSGD) is
+recommended only if a ``--convergence`` run (``--accuracy-from``) showed its accuracy within tolerance of
+allreduce at equal steps; otherwise the recommendation says it could not check.
 """
 
 from __future__ import annotations
@@ -21,6 +29,12 @@ import time
 from typing import Any
 
 from lightning_ddpx.bench.contenders import START_POWERSGD_ITER, contenders_named
+from lightning_ddpx.bench.convergence_cli import (
+    add_convergence_arguments,
+    check_convergence_arguments,
+    convergence_main,
+    load_accuracy_verdicts,
+)
 from lightning_ddpx.bench.launch import run_ranks
 from lightning_ddpx.bench.report import recommend, render_table, rows_as_json, summarize, write_chart
 from lightning_ddpx.bench.workload import load_workload
@@ -35,7 +49,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--model", required=True, help="mlp | transformer | many | tiny | package.module:factory"
+        "--model",
+        required=True,
+        help="mlp | transformer | many | tiny | package.module:factory; with --convergence: digits | "
+        "pydoc-lm | package.module:LightningModuleFactory",
+    )
+    parser.add_argument(
+        "--accuracy-from",
+        metavar="JSON",
+        help="a --convergence run's --json: lossy hooks it found within tolerance may be recommended",
     )
     parser.add_argument(
         "--input-shape", help="batch shape fed to the model, e.g. 32,1024 (factories without an example)"
@@ -65,7 +87,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole run")
     parser.add_argument("--json", metavar="PATH", help="write the results here")
     parser.add_argument("--png", metavar="PATH", help="write a bar chart here (needs matplotlib)")
+    add_convergence_arguments(parser)
     args = parser.parse_args(argv)
+    if args.convergence:
+        check_convergence_arguments(parser, args)
+        return args
     if args.warmup <= START_POWERSGD_ITER:
         parser.error(
             f"--warmup must be > {START_POWERSGD_ITER} so that only compressed PowerSGD steps are timed"
@@ -86,6 +112,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # SIGTERM (kill, a job scheduler) unwinds like Ctrl-C, so the ranks are stopped and --link's network
     # namespaces are removed instead of left behind.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    if args.convergence:
+        return convergence_main(args)
+    accuracy = load_accuracy_verdicts(args.accuracy_from) if args.accuracy_from else None
     contenders = contenders_named(args.hooks)
     probe = load_workload(args.model, tuple(args.input_shape or ()) or None, args.seed, rank=0)
     probe.loss(probe.module)  # a model or input that cannot run fails here, before any process starts
@@ -111,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     started = time.monotonic()
     per_rank = run_ranks(config, args.link, args.timeout)
     rows = summarize(contenders, per_rank[0])
-    advice = recommend(contenders, rows)
+    advice = recommend(contenders, rows, accuracy)
     print("\n" + render_table(rows) + "\n\n" + advice, flush=True)
     result = {
         "config": config,

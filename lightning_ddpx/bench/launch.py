@@ -21,8 +21,11 @@ from typing import Any, Iterator
 __all__ = ["free_port", "run_ranks"]
 
 
-def run_ranks(config: dict[str, Any], link: str | None, timeout_s: float) -> list[dict[str, Any]]:
-    """Run ``lightning_ddpx.bench.worker`` on ``config['world_size']`` ranks; their results, by rank.
+def run_ranks(
+    config: dict[str, Any], link: str | None, timeout_s: float, worker: str = "lightning_ddpx.bench.worker"
+) -> list[dict[str, Any]]:
+    """Run the module ``worker`` (``python -m worker CONFIG RANK``) on ``config['world_size']`` ranks; their
+    results (each rank's ``rank<N>.json``), by rank.
 
     Rank 0's output (progress) goes to this terminal; a failing rank's stderr is raised in the error.
     """
@@ -32,7 +35,7 @@ def run_ranks(config: dict[str, Any], link: str | None, timeout_s: float) -> lis
         with open(config_path, "w") as f:
             json.dump(config, f)
         with _network(link, config["world_size"]) as network:
-            processes = _start(config_path, config["world_size"], network, directory)
+            processes = _start(config_path, config["world_size"], network, directory, worker)
             _wait(processes, timeout_s, directory)
         results = []
         for rank in range(config["world_size"]):
@@ -57,7 +60,9 @@ def _network(link: str | None, world_size: int) -> Iterator[Any]:
         yield veth
 
 
-def _start(config_path: str, world_size: int, network: Any, directory: str) -> list[subprocess.Popen]:
+def _start(
+    config_path: str, world_size: int, network: Any, directory: str, worker: str
+) -> list[subprocess.Popen]:
     port = random.randint(20000, 60000) if network is not None else free_port()
     base = dict(os.environ)
     base.update(
@@ -69,7 +74,7 @@ def _start(config_path: str, world_size: int, network: Any, directory: str) -> l
     processes = []
     for rank in range(world_size):
         env = dict(base, RANK=str(rank))
-        argv = [sys.executable, "-m", "lightning_ddpx.bench.worker", config_path, str(rank)]
+        argv = [sys.executable, "-m", worker, config_path, str(rank)]
         if network is None:
             env.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")
         else:

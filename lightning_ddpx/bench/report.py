@@ -57,34 +57,59 @@ def summarize(contenders: tuple[Contender, ...], rank0: dict[str, Any]) -> list[
     return rows
 
 
-def recommend(contenders: tuple[Contender, ...], rows: list[Row]) -> str:
-    """One line: the fastest contender whose accuracy cost is known to be small, and what else to know."""
-    usable = {c.name for c in contenders if c.usable and c.ours}
-    candidates = [r for r in rows if r.name in usable]
+def recommend(
+    contenders: tuple[Contender, ...], rows: list[Row], accuracy: dict[str, bool] | None = None
+) -> str:
+    """One line: the fastest contender whose accuracy is known to hold, and what else to know.
+
+    Exact hooks (allreduce) always qualify. A lossy hook (fp16, bf16, PowerSGD) qualifies only if
+    ``accuracy`` -- the verdicts of a convergence run (``--convergence``; ``--accuracy-from``) -- says it
+    stayed within tolerance of allreduce at equal steps; a faster lossy hook that could not be checked, or
+    failed the check, is named with the reason instead.
+    """
+    checked = accuracy or {}
+    exact = {c.name for c in contenders if c.ours and c.accuracy_cost == "none"}
+    passed = {c.name for c in contenders if c.ours and c.accuracy_cost != "none" and checked.get(c.name)}
+    candidates = [r for r in rows if r.name in exact | passed]
     if not candidates:
-        return "No recommendation: run at least one of allreduce, fp16, bf16, powersgd-r2, powersgd-r4."
+        return "No recommendation: run allreduce too (--hooks ...,allreduce), the exact reference."
     best = min(candidates, key=lambda r: r.median_ms)
     plain = next((r for r in rows if r.name == BASELINE), None)
     if plain is not None and best.name != BASELINE and best.median_ms > 0.95 * plain.median_ms:
         best = plain  # compression that saves under 5 % is not worth its accuracy cost
     text = f"Recommended: {best.name} -> {best.strategy}"
     if plain is not None and best is not plain:
-        text += f" ({plain.median_ms / best.median_ms:.2f}x faster than allreduce; {best.accuracy_note})"
+        text += (
+            f" ({plain.median_ms / best.median_ms:.2f}x faster than allreduce; its accuracy was within "
+            "tolerance of allreduce in the convergence run)"
+        )
     elif plain is not None:
         noop = next((r for r in rows if r.name == "noop"), None)
-        why = "compression does not pay here: what it saves in communication it spends in computation"
+        why = "no checked hook saves time here"
+        if not any(
+            r.name not in exact and r.median_ms < 0.95 * plain.median_ms for r in rows if r.name != "noop"
+        ):
+            why = "compression does not pay here: what it saves in communication it spends in computation"
         if noop is not None:
             why += (
                 f" (steps without any communication would be {plain.median_ms / noop.median_ms:.2f}x faster)"
             )
         text += f": {why}"
-    faster = [r for r in rows if r.accuracy_cost == "validate" and r.median_ms < 0.9 * best.median_ms]
+    lossy = {c.name: c for c in contenders if c.ours and c.accuracy_cost not in ("none", "not for training")}
+    faster = [
+        r for r in rows if r.name in lossy and r.name not in passed and r.median_ms < 0.9 * best.median_ms
+    ]
     if faster:
         quickest = min(faster, key=lambda r: r.median_ms)
-        text += (
-            f". {quickest.name} is faster still ({best.median_ms / quickest.median_ms:.2f}x) but "
-            f"{quickest.accuracy_note}"
-        )
+        speed = f"{quickest.name} is faster ({best.median_ms / quickest.median_ms:.2f}x)"
+        if quickest.name in checked:
+            text += f". {speed} but lost accuracy beyond the tolerance in the convergence run"
+        else:
+            text += (
+                f". {speed} but its accuracy on this model could not be checked ({quickest.accuracy_note}): "
+                "run python -m lightning_ddpx.bench --convergence on your task and pass its --json as "
+                "--accuracy-from"
+            )
     return text + "."
 
 

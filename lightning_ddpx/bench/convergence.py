@@ -1,0 +1,299 @@
+"""Time to accuracy: train a real task to the end once per contender, and compare the curves.
+
+The step-time benchmark (:mod:`lightning_ddpx.bench.cli`) says how fast a hook makes a step; only training a
+real task says whether the steps of a lossy hook still get the model where allreduce gets it. Here each
+contender runs ``Trainer.fit`` for the same number of steps on 2 processes (fresh processes per contender,
+over loopback or an emulated link), recording per step the training wall time, the train loss and the bytes
+its collectives sent, and at every validation the metric. From the curves:
+
+* **time to target**: training wall time (validation excluded) until the validation metric first reaches
+  the target (by default what torch's DDP ends at, less the tolerance);
+* **accuracy at equal steps**: the mean of the last two validations, compared with our allreduce's. A lossy
+  hook is "within tolerance" when it is at most ``tolerance`` worse. Only such hooks may be recommended.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = [
+    "CONVERGENCE_CONTENDERS",
+    "ConvergenceContender",
+    "ConvergenceRow",
+    "START_POWERSGD_ITER",
+    "accuracy_verdicts",
+    "convergence_contenders_named",
+    "recommend_from_convergence",
+    "summarize_runs",
+]
+
+START_POWERSGD_ITER = 10  # allreduce for the first steps, as torch advises, then compress
+TOLERANCE = 0.01  # default: a lossy hook may end at most this much worse than allreduce (absolute)
+
+
+@dataclass(frozen=True)
+class ConvergenceContender:
+    """One way to train: torch's DDP (``strategy=None``) or ``DDPXStrategy(**strategy)``."""
+
+    name: str
+    strategy: dict[str, Any] | None  # DDPXStrategy keyword arguments; None: torch's strategy="ddp"
+    lossy: bool = False  # changes the gradient: needs a convergence check before it is recommended
+    note: str = ""
+
+    @property
+    def torch_ddp(self) -> bool:
+        return self.strategy is None
+
+    def strategy_arguments(self) -> str:
+        """How to get this contender in a Trainer (what the recommendation prints)."""
+        if self.strategy is None:
+            return 'strategy="ddp"'
+        return "DDPXStrategy(" + ", ".join(f"{k}={v!r}" for k, v in self.strategy.items()) + ")"
+
+
+def _powersgd(rank: int, error_feedback: bool = True, hook: str = "powersgd") -> dict[str, Any]:
+    options: dict[str, Any] = {"matrix_approximation_rank": rank, "start_powerSGD_iter": START_POWERSGD_ITER}
+    if not error_feedback:
+        options["use_error_feedback"] = False
+    return {"comm_hook": hook, "powersgd": options}
+
+
+def _post_local_sgd() -> ConvergenceContender | None:
+    """SLOT(post-local SGD): filled in once the ``post_local_sgd`` hook (issue 12) is merged.
+
+    Until then the registry has no such hook and the contender is left out (``--hooks post-local-sgd``
+    says so). When it lands, check the option names below against its PowerSGD-like options dict.
+    """
+    from lightning_ddpx.hooks import available_hooks
+
+    if "post_local_sgd" not in available_hooks():
+        return None
+    return ConvergenceContender(
+        "post-local-sgd",
+        {
+            "comm_hook": "post_local_sgd",
+            "post_local_sgd": {"start_localSGD_iter": START_POWERSGD_ITER, "period": 4},
+        },
+        lossy=True,
+        note="local steps, parameters averaged every 4 steps",
+    )
+
+
+CONVERGENCE_CONTENDERS: tuple[ConvergenceContender, ...] = (
+    ConvergenceContender("torch-ddp", None, note="torch's DistributedDataParallel: the reference"),
+    ConvergenceContender("allreduce", {}, note="our exact average"),
+    ConvergenceContender("fp16", {"comm_hook": "fp16"}, lossy=True, note="gradients sent as fp16"),
+    *(
+        ConvergenceContender(f"powersgd-r{r}", _powersgd(r), lossy=True, note=f"rank {r}, error feedback")
+        for r in (1, 2, 4)
+    ),
+    *(
+        ConvergenceContender(
+            f"powersgd-r{r}-noef", _powersgd(r, False), lossy=True, note=f"rank {r}, no error feedback"
+        )
+        for r in (1, 2, 4)
+    ),
+    ConvergenceContender(
+        "batched-r2",
+        _powersgd(2, hook="batched_powersgd"),
+        lossy=True,
+        note="each bucket as one square matrix",
+    ),
+)
+
+
+def all_contenders() -> tuple[ConvergenceContender, ...]:
+    """The table above plus the contenders whose hooks exist only in some versions (post-local SGD)."""
+    extra = _post_local_sgd()
+    return CONVERGENCE_CONTENDERS + ((extra,) if extra is not None else ())
+
+
+def convergence_contenders_named(names: list[str] | None) -> tuple[ConvergenceContender, ...]:
+    """The contenders to run, in canonical order; ``None``: all. Unknown names are an error naming the known."""
+    known = {c.name: c for c in all_contenders()}
+    if names is None:
+        return tuple(known.values())
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        hint = (
+            " (post-local-sgd needs the post_local_sgd hook, not in this version)"
+            if "post-local-sgd" in unknown
+            else ""
+        )
+        raise ValueError(f"unknown contender(s) {unknown}{hint}; choose from {', '.join(known)}")
+    return tuple(c for c in known.values() if c.name in names)
+
+
+# -------------------------------------------------------------------------------------------- summary
+@dataclass
+class ConvergenceRow:
+    """One contender's figures from one run (rank 0's clock and counters)."""
+
+    name: str
+    steps: int
+    step_ms: float  # median training step (validation excluded)
+    bytes_per_step: float | None  # mean payload bytes its collectives sent per step (warm-up included)
+    bytes_per_step_median: float | None  # median: what a step sends once PowerSGD compresses
+    final_metric: float | None  # mean of the last two validations (equal steps for every contender)
+    time_to_target_s: float | None  # None: never reached the target
+    vs_torch: float | None  # time_to_target / torch-ddp's time_to_target
+    within_tolerance: bool | None  # vs allreduce (else torch-ddp) at equal steps; None: not checked
+    lossy: bool
+    strategy: str
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _final(curve: list[dict[str, Any]]) -> float | None:
+    values = [v["metric"] for v in curve[-2:] if v["metric"] is not None and math.isfinite(v["metric"])]
+    return sum(values) / len(values) if values else None
+
+
+def _reached(curve: list[dict[str, Any]], target: float, mode: str) -> float | None:
+    for point in curve:
+        value = point["metric"]
+        if value is not None and (value >= target if mode == "max" else value <= target):
+            return point["time_s"]
+    return None
+
+
+def default_target(runs: dict[str, dict[str, Any]], mode: str, tolerance: float) -> float | None:
+    """torch's DDP's final metric, less the tolerance (plus, for ``mode="min"``); else allreduce's."""
+    for reference in ("torch-ddp", "allreduce"):
+        if reference in runs and (final := _final(runs[reference]["val"])) is not None:
+            return final - tolerance if mode == "max" else final + tolerance
+    return None
+
+
+def summarize_runs(
+    contenders: tuple[ConvergenceContender, ...],
+    runs: dict[str, dict[str, Any]],
+    target: float | None,
+    mode: str = "max",
+    tolerance: float = TOLERANCE,
+) -> list[ConvergenceRow]:
+    """Rows in contender order for the contenders that ran; ``runs[name]`` is rank 0's worker record."""
+    # Accuracy at equal steps is checked against our allreduce, else torch's DDP (the same average, which
+    # tests/test_engine_oracle.py shows step by step): lossless and lossy runs on the same seeds and data.
+    source = next((name for name in ("allreduce", "torch-ddp") if name in runs), None)
+    reference = _final(runs[source]["val"]) if source is not None else None
+    rows = []
+    for c in contenders:
+        if c.name not in runs:
+            continue
+        run = runs[c.name]
+        times = run["time_s"]
+        steps_ms = sorted(1e3 * (b - a) for a, b in zip(times, times[1:])) or [1e3 * times[0]]
+        sent = [b for b in run["bytes_sent"] if b is not None and math.isfinite(b)]
+        final = _final(run["val"])
+        within = None
+        if reference is not None and final is not None:
+            within = final >= reference - tolerance if mode == "max" else final <= reference + tolerance
+        rows.append(
+            ConvergenceRow(
+                name=c.name,
+                steps=len(times),
+                step_ms=steps_ms[len(steps_ms) // 2],
+                bytes_per_step=sum(sent) / len(sent) if sent else None,
+                bytes_per_step_median=sorted(sent)[len(sent) // 2] if sent else None,
+                final_metric=final,
+                time_to_target_s=None if target is None else _reached(run["val"], target, mode),
+                vs_torch=None,
+                within_tolerance=within,
+                lossy=c.lossy,
+                strategy=c.strategy_arguments(),
+                note=c.note,
+            )
+        )
+    torch_time = next((r.time_to_target_s for r in rows if r.name == "torch-ddp"), None)
+    for row in rows:
+        if torch_time and row.time_to_target_s is not None:
+            row.vs_torch = row.time_to_target_s / torch_time
+    return rows
+
+
+def accuracy_verdicts(rows: list[ConvergenceRow]) -> dict[str, bool]:
+    """``{contender: within tolerance of allreduce}`` for the rows that could be checked."""
+    return {r.name: r.within_tolerance for r in rows if r.within_tolerance is not None}
+
+
+def recommend_from_convergence(rows: list[ConvergenceRow], metric: str, tolerance: float) -> str:
+    """The contender of ours reaching the target soonest among those exact or within tolerance."""
+    ours = [r for r in rows if r.name != "torch-ddp"]
+    plain = next((r for r in ours if r.name == "allreduce"), None)
+    if plain is None or not any(r.within_tolerance is not None for r in rows):
+        return (
+            "No recommendation: accuracy could not be checked because allreduce was not run "
+            "(add allreduce to --hooks)."
+        )
+    allowed = [r for r in ours if r.time_to_target_s is not None and (not r.lossy or r.within_tolerance)]
+    if not allowed:
+        return "No recommendation: no contender of ours reached the target; train longer (--max-steps)."
+    best = min(allowed, key=lambda r: r.time_to_target_s)
+    if (
+        best is not plain
+        and plain.time_to_target_s is not None
+        and best.time_to_target_s > 0.95 * plain.time_to_target_s
+    ):
+        best = plain  # saving under 5 % is not worth a lossy hook
+    text = f"Recommended: {best.name} -> {best.strategy}"
+    if best is not plain and plain.time_to_target_s is not None:
+        text += (
+            f" (reaches the target in {best.time_to_target_s / plain.time_to_target_s:.2f}x allreduce's time; "
+            f"{metric} at equal steps within {tolerance:g} of allreduce)"
+        )
+    elif best is plain:
+        text += ": no lossy hook both reached the target sooner and kept accuracy within tolerance"
+    rejected = [r for r in ours if r.lossy and r.within_tolerance is False]
+    if rejected:
+        text += ". Outside tolerance, not recommended: " + ", ".join(
+            f"{r.name} ({metric} {r.final_metric:.4f} vs {plain.final_metric:.4f})" for r in rejected
+        )
+    return text + "."
+
+
+def rows_as_json(rows: list[ConvergenceRow]) -> list[dict[str, Any]]:
+    return [asdict(r) for r in rows]
+
+
+# ---------------------------------------------------------------------------------------------- running
+def run_convergence(
+    contenders: tuple[ConvergenceContender, ...],
+    *,
+    model: str,
+    datamodule: str | None,
+    link: str | None,
+    max_steps: int,
+    val_every: int,
+    metric: str = "val_acc",
+    seed: int = 0,
+    world_size: int = 2,
+    timeout_s: float = 1800.0,
+    done: Any = None,
+) -> dict[str, dict[str, Any]]:
+    """Train once per contender (fresh processes each, one after another); rank 0's record by name.
+
+    ``done(name, record)`` is called after each contender, e.g. to save partial results.
+    """
+    from lightning_ddpx.bench.launch import run_ranks
+
+    runs: dict[str, dict[str, Any]] = {}
+    for contender in contenders:
+        print(f"  {contender.name}: {contender.strategy_arguments()}", flush=True)
+        config = {
+            "model": model,
+            "datamodule": datamodule,
+            "contender": contender.name,
+            "world_size": world_size,
+            "max_steps": max_steps,
+            "val_every": val_every,
+            "metric": metric,
+            "seed": seed,
+        }
+        record = run_ranks(config, link, timeout_s, worker="lightning_ddpx.bench.convergence_worker")[0]
+        runs[contender.name] = record
+        if done is not None:
+            done(contender.name, record)
+    return runs

@@ -1,0 +1,184 @@
+"""One rank of one convergence run: ``Trainer.fit`` of the task with one contender's strategy.
+
+Started by :func:`lightning_ddpx.bench.launch.run_ranks` as
+``python -m lightning_ddpx.bench.convergence_worker CONFIG RANK`` with the rendezvous in the environment.
+Each rank is launched as its own "node" (``num_nodes=world_size, devices=1``), as on a cluster, so the same
+launch works over loopback and across the network namespaces of an emulated link. Rank 0 writes the curves.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import time
+import warnings
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer, seed_everything
+
+from lightning_ddpx.bench.convergence import convergence_contenders_named
+
+__all__ = ["CurveRecorder", "load_task"]
+
+
+def load_task(model: str, datamodule: str | None) -> tuple[LightningModule, LightningDataModule | None]:
+    """A built-in task name (:data:`lightning_ddpx.bench.tasks.TASKS`) or ``package.module:factory`` paths.
+
+    A factory is a class or function called without arguments. ``datamodule=None`` with an import path for
+    ``model`` means the LightningModule brings its own dataloaders.
+    """
+    from lightning_ddpx.bench.tasks import TASKS, build_task
+
+    if model in TASKS and datamodule is None:
+        return build_task(model)
+    return _call(model, "--model"), (_call(datamodule, "--datamodule") if datamodule else None)
+
+
+def _call(path: str, option: str) -> Any:
+    module_name, _, attribute = path.partition(":")
+    if not attribute:
+        raise ValueError(f"{option} {path!r}: expected package.module:factory (or a built-in task name)")
+    try:
+        return getattr(importlib.import_module(module_name), attribute)()
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"{option} {path!r}: cannot import it ({error})") from error
+
+
+class CurveRecorder(Callback):
+    """Per step: training wall time (validation excluded), train loss, bytes sent; per validation: metric.
+
+    Wall time starts at the first training batch, so process start-up and the Trainer's set-up are not
+    counted; the time validation takes is subtracted, so the curves compare training only.
+    """
+
+    def __init__(self, metric: str, gradient_bytes: int, verbose: bool) -> None:
+        self.metric, self.gradient_bytes, self.verbose = metric, gradient_bytes, verbose
+        self.time_s: list[float] = []
+        self.train_loss: list[float | None] = []
+        self.bytes_sent: list[float | None] = []
+        self.val: list[dict[str, Any]] = []
+        self._start: float | None = None
+        self._val_started = 0.0
+        self._val_total = 0.0
+
+    def _now(self) -> float:
+        return time.perf_counter() - (self._start or 0.0) - self._val_total
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if self._start is None:
+            self._start = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, *args: Any
+    ) -> None:
+        self.time_s.append(self._now())
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        self.train_loss.append(float(loss) if isinstance(loss, torch.Tensor) else None)
+        stats = getattr(trainer.strategy.model, "comm_stats", None)
+        if stats is None:  # torch's DDP allreduces every gradient and reports nothing
+            self.bytes_sent.append(float(self.gradient_bytes))
+        else:
+            last = stats()
+            self.bytes_sent.append(
+                None if last is None or last.bytes_sent is None else float(last.bytes_sent)
+            )
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._val_started = time.perf_counter()
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        value = trainer.callback_metrics.get(self.metric)
+        point = {
+            "step": trainer.global_step,
+            "time_s": self._now(),
+            "metric": None if value is None else float(value),
+        }
+        if "val_loss" in trainer.callback_metrics and self.metric != "val_loss":
+            point["val_loss"] = float(trainer.callback_metrics["val_loss"])
+        self.val.append(point)
+        self._val_total += time.perf_counter() - self._val_started
+        if self.verbose:
+            shown = "missing" if value is None else f"{float(value):.4f}"
+            print(f"    step {point['step']:5d}  {point['time_s']:7.1f} s  {self.metric} {shown}", flush=True)
+
+
+def run(rank: int, config: dict[str, Any]) -> dict[str, Any]:
+    (contender,) = convergence_contenders_named([config["contender"]])
+    seed_everything(config["seed"], verbose=False)
+    module, datamodule = load_task(config["model"], config.get("datamodule"))
+    gradient_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    recorder = CurveRecorder(config["metric"], gradient_bytes, verbose=rank == 0)
+    if contender.torch_ddp:
+        strategy: Any = "ddp"
+    else:
+        from lightning_ddpx import DDPXStrategy
+
+        strategy = DDPXStrategy(**contender.strategy)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        num_nodes=config["world_size"],
+        strategy=strategy,
+        max_steps=config["max_steps"],
+        val_check_interval=config["val_every"],
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[recorder],
+    )
+    trainer.fit(module, datamodule=datamodule)
+    if not recorder.val:
+        raise RuntimeError(
+            f"no validation ran in {config['max_steps']} steps: lower --val-every (it is {config['val_every']}) "
+            "or give the task a val_dataloader"
+        )
+    if recorder.val[-1]["metric"] is None:
+        raise RuntimeError(
+            f"the task never logged {config['metric']!r} during validation; "
+            f"logged: {sorted(trainer.callback_metrics)}. Pass --metric with one of those."
+        )
+    return {
+        "rank": rank,
+        "contender": contender.name,
+        "time_s": recorder.time_s,
+        "train_loss": recorder.train_loss,
+        "bytes_sent": recorder.bytes_sent,
+        "val": recorder.val,
+        "gradient_bytes": gradient_bytes,
+        "param_numel": sum(p.numel() for p in module.parameters()),
+        # 1-minute load average when training ended: how busy the machine was (a shared one is noisy).
+        "loadavg_1min": os.getloadavg()[0],
+    }
+
+
+def main(argv: list[str]) -> None:
+    config_path, rank = argv[0], int(argv[1])
+    with open(config_path) as f:
+        config = json.load(f)
+    torch.set_num_threads(config.get("threads", 1))
+    torch.set_flush_denormal(True)
+    # One process per "node": Lightning reads NODE_RANK; LOCAL_RANK tells it not to start processes itself.
+    os.environ.update(NODE_RANK=str(rank), LOCAL_RANK="0")
+    for name in ("GROUP_RANK", "SLURM_JOB_ID", "SLURM_NTASKS"):
+        os.environ.pop(name, None)
+    warnings.filterwarnings("ignore", message=".*(does not have many workers|num_workers|LOCAL_RANK).*")
+    import logging
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    result = run(rank, config)
+    out = os.path.join(os.path.dirname(config_path), f"rank{rank}.json")
+    with open(out + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(out + ".tmp", out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
