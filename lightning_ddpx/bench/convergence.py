@@ -61,11 +61,9 @@ def _powersgd(rank: int, error_feedback: bool = True, hook: str = "powersgd") ->
 
 
 def _post_local_sgd() -> ConvergenceContender | None:
-    """SLOT(post-local SGD): filled in once the ``post_local_sgd`` hook (issue 12) is merged.
-
-    Until then the registry has no such hook and the contender is left out (``--hooks post-local-sgd``
-    says so). When it lands, check the option names below against its PowerSGD-like options dict.
-    """
+    """Post-local SGD: each rank steps alone (``subgroup=1``) after the warm-up, parameters averaged every
+    4 steps. ``subgroup=None`` would mean "the ranks on one machine", which on an emulated two-node link
+    (one host name) is every rank: plain DDP plus redundant averaging."""
     from lightning_ddpx.hooks import available_hooks
 
     if "post_local_sgd" not in available_hooks():
@@ -74,7 +72,7 @@ def _post_local_sgd() -> ConvergenceContender | None:
         "post-local-sgd",
         {
             "comm_hook": "post_local_sgd",
-            "post_local_sgd": {"start_localSGD_iter": START_POWERSGD_ITER, "period": 4},
+            "post_local_sgd": {"start_localSGD_iter": START_POWERSGD_ITER, "period": 4, "subgroup": 1},
         },
         lossy=True,
         note="local steps, parameters averaged every 4 steps",
