@@ -178,8 +178,9 @@ class Reducer:
         self._launcher = InlineLauncher() if issues_collectives_on_call(hook) else SequencedLauncher()
 
     # -------------------------------------------------------------------------------------- forward
-    def prepare_forward(self, will_sync: bool) -> None:
-        """Called before each forward: refuses to start over an unfinished reduction, rebuilds buckets."""
+    def prepare_forward(self, will_sync: bool, rebuild_src: int = 0) -> None:
+        """Called before each forward: refuses to start over an unfinished reduction, rebuilds buckets
+        (from ``rebuild_src``'s observed order: rank 0's, unless it joined with uneven inputs)."""
         self._synced_since_forward = False
         if self.phase is Phase.REDUCING:
             self._abandon_iteration()
@@ -189,7 +190,58 @@ class Reducer:
                 "interrupted. Ranks may now be out of step; restart from a checkpoint."
             )
         if will_sync and self._rebuild_pending:
-            self._rebuild_buckets()
+            self._rebuild_buckets(rebuild_src)
+
+    @property
+    def rebuild_pending(self) -> bool:
+        """Buckets will be re-planned at the next synchronising forward (after the first backward)."""
+        return self._rebuild_pending
+
+    def set_divisor(self, count: int) -> None:
+        """Average over ``count`` ranks from now on (default path only: a registered hook divides itself).
+
+        ``join(divide_by_initial_world_size=False)`` sets the number of ranks still training, as torch does.
+        """
+        if self._scale_on_copy is not None:
+            self._scale_on_copy = 1.0 / count
+
+    # ----------------------------------------------------------------------------------- uneven inputs
+    def rebuild_buckets_from(self, src: int) -> None:
+        """A joined rank takes part in the active ranks' bucket rebuild (it never rebuilds again)."""
+        self._rebuild_buckets(src)
+        self._ready_order = None
+
+    def shadow_reduction(self) -> None:
+        """Reduce one iteration with zero gradients, as a rank that has joined (see :mod:`lightning_ddpx.join`).
+
+        Every bucket goes through the registered hook, in bucket order, exactly like a real backward, then
+        the used-parameter bitmap (all zeros) when unused parameters are searched; results are discarded.
+        """
+        if self.phase is not Phase.IDLE:
+            raise RuntimeError(
+                "lightning_ddpx: a joined rank cannot shadow while its own backward is reducing"
+            )
+        hook, state = self.hook, self.hook_state
+        launched: list[tuple[int, torch.futures.Future]] = []
+        with label("lightning_ddpx::join_shadow"):
+            for b, bucket in enumerate(self.buckets):
+                zeros = torch.zeros_like(bucket.buffer)
+                views = [
+                    zeros[offset : offset + p.numel()].view_as(p)
+                    for offset, p in zip(bucket.spec.offsets, bucket.params)
+                ]
+                grad_bucket = GradBucket(b, zeros, views, bucket.params, b == len(self.buckets) - 1)
+                launched.append((b, self._launcher.submit(lambda gb=grad_bucket: hook(state, gb))))
+            bitmap = self._launch_used_bitmap() if self.find_unused_parameters else None
+            for b, future in launched:
+                what = f"bucket {b} (parameters {self._bucket_names(b)}), shadowed with zeros by this joined rank"
+                with waiting_for(what, self.process_group):
+                    future.wait()
+            if bitmap is not None:
+                with waiting_for(
+                    "the used-parameter bitmap, shadowed by this joined rank", self.process_group
+                ):
+                    bitmap.wait()
 
     def prepare_backward(self, outputs: Any) -> None:
         """Called after a synchronising forward: arm reduction, and find unused parameters if asked."""
@@ -447,13 +499,16 @@ class Reducer:
                     pass
 
     # -------------------------------------------------------------------------------------- rebuild
-    def _rebuild_buckets(self) -> None:
-        """Re-plan buckets along the ready order rank 0 observed, so all ranks agree on the layout."""
-        order = torch.tensor(self._observed_order, dtype=torch.int64)
+    def _rebuild_buckets(self, src: int = 0) -> None:
+        """Re-plan buckets along the ready order rank ``src`` observed, so all ranks agree on the layout."""
+        observed = self._observed_order
+        # a rank that joined before observing an order only receives (same size, values overwritten)
+        order = torch.tensor(observed if len(observed) == len(self.params) else range(len(self.params)))
+        order = order.to(torch.int64)
         if self.buckets[0].buffer.device.type != "cpu":
             order = order.to(self.buckets[0].buffer.device)
-        with waiting_for("rank 0's gradient ready order to rebuild buckets", self.process_group):
-            dist.broadcast(order, group=self.process_group, group_src=0)
+        with waiting_for(f"rank {src}'s gradient ready order to rebuild buckets", self.process_group):
+            dist.broadcast(order, group=self.process_group, group_src=src)
         self._install_plan(order.tolist())
         self._rebuild_pending = False
 
