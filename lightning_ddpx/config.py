@@ -28,6 +28,7 @@ from lightning_ddpx.hooks import (
     build_comm_hook,
     fp16_compress_wrapper,
 )
+from lightning_ddpx.uneven import LockstepLoader, StepQueue, UnevenInputs, check_uneven_inputs
 
 __all__ = ["CommHookFn", "DDPXConfig", "DDPXConfigAttributes", "STRATEGY_NAMES", "register_strategy_names"]
 
@@ -63,9 +64,13 @@ class DDPXConfig:
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True
     gradient_as_bucket_view: bool = False
+    # Ranks with different numbers of training batches: "join" (replay with zero weight until all are done),
+    # "error" (raise naming each rank's batch count) or "off" (Lightning's ddp: a hang). See uneven-inputs.md.
+    uneven_inputs: UnevenInputs = "join"
 
     def __post_init__(self) -> None:
         _check_bucket_caps(self.bucket_cap_mb, self.first_bucket_cap_mb)
+        check_uneven_inputs(self.uneven_inputs)
         comm_hook = _resolve_comm_hook(self.comm_hook)
         _check_hook_arguments(comm_hook, self.comm_state, self.comm_wrapper)
         # frozen: normalise through object.__setattr__, once, here
@@ -101,6 +106,15 @@ class DDPXConfig:
             broadcast_buffers=self.broadcast_buffers,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
         )
+
+    def wrap_training_loader(
+        self, loader: Any, process_group: dist.ProcessGroup, device: Any, steps: StepQueue
+    ) -> Any:
+        """``loader`` iterated in lockstep across ranks (:mod:`lightning_ddpx.uneven`), unless
+        ``uneven_inputs="off"`` or there is one rank. A collective: every rank must call it."""
+        if self.uneven_inputs == "off" or dist.get_world_size(process_group) == 1:
+            return loader
+        return LockstepLoader(loader, self.uneven_inputs, process_group, device, steps)  # type: ignore[arg-type]
 
     def register_hook(self, module: DistributedDataParallel) -> Any:
         """Build the hook (a new state per module for named hooks), register it; return its state.
@@ -185,6 +199,7 @@ class DDPXConfigAttributes:
     find_unused_parameters = _ConfigOption()
     broadcast_buffers = _ConfigOption()
     gradient_as_bucket_view = _ConfigOption()
+    uneven_inputs = _ConfigOption()
     hook_name = _ConfigOption()
 
 

@@ -73,6 +73,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.first_bucket_cap_mb = first_bucket_cap_mb
         self.require_backward_grad_sync = True
         self._sync_buffers_next_forward = True  # torch: only after a forward that synchronised
+        # The rank whose buffers every forward broadcasts. The strategies' uneven-inputs handling moves it off
+        # a rank that is only replaying (lightning_ddpx.uneven); inside join() the join protocol picks it.
+        self.buffer_source_rank = 0
 
         named = list(module.named_parameters())
         self.device = _single_device(named)
@@ -110,7 +113,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _before_forward(self) -> bool:
         will_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         sync_buffers = self.broadcast_buffers and self._sync_buffers_next_forward and self.world_size > 1
-        rebuild_src = buffers_src = 0
+        rebuild_src, buffers_src = 0, self.buffer_source_rank
         if self._join_config.enable:
             rebuild_src, buffers_src = self._announce_to_joined_ranks(will_sync, sync_buffers)
         self.reducer.prepare_forward(will_sync, rebuild_src=rebuild_src)

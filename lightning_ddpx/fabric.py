@@ -17,11 +17,13 @@ with Fabric's strategy registry.
 from __future__ import annotations
 
 import logging
+import weakref
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Literal, Mapping, Optional, Union
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -29,8 +31,9 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.types import _PATH
-from torch import nn
+from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_ddpx.checkpoint_io import AtomicCheckpointIO
@@ -39,6 +42,7 @@ from lightning_ddpx.comm_stats import CommStatsSummary
 from lightning_ddpx.config import CommHookFn, DDPXConfig, DDPXConfigAttributes, register_strategy_names
 from lightning_ddpx.distributed import DistributedDataParallel
 from lightning_ddpx.hooks import PowerSGDOptions
+from lightning_ddpx.uneven import StepInfo, StepQueue, UnevenInputs
 
 __all__ = ["DDPXStrategy", "take_comm_stats"]
 
@@ -59,6 +63,9 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         powersgd: options of ``comm_hook="powersgd"``/``"batched_powersgd"`` (``PowerSGDOptions`` or a dict).
         bucket_cap_mb, first_bucket_cap_mb, find_unused_parameters, broadcast_buffers,
             gradient_as_bucket_view: passed to :class:`lightning_ddpx.DistributedDataParallel`.
+        uneven_inputs: ``"join"`` (default), ``"error"`` or ``"off"``, as in the Trainer strategy, for every
+            loader passed to ``fabric.setup_dataloaders`` (Fabric cannot tell training from evaluation loaders:
+            check ``fabric.strategy.replaying`` to skip metric updates on replayed batches).
     """
 
     def __init__(
@@ -80,6 +87,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        uneven_inputs: UnevenInputs = "join",
     ) -> None:
         # Validate before Fabric sees the strategy: a typo fails at once, not after launch.
         self.ddpx_config = DDPXConfig(
@@ -92,6 +100,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             find_unused_parameters=find_unused_parameters,
             broadcast_buffers=broadcast_buffers,
             gradient_as_bucket_view=gradient_as_bucket_view,
+            uneven_inputs=uneven_inputs,
         )
         super().__init__(
             accelerator=accelerator,
@@ -104,6 +113,8 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             start_method=start_method,
         )
         self._backward_sync_control = _DDPXBackwardSyncControl()
+        self._uneven_steps = StepQueue(on_push=self._on_batch_fetched)
+        self._modules: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
 
     @property
     @override
@@ -131,7 +142,42 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         )
         wrapped = self.ddpx_config.wrap(module)
         self.ddpx_config.register_hook(wrapped)
+        self._modules.add(wrapped)
         return wrapped
+
+    # ---------------------------------------------------------------------------------- uneven inputs
+    @override
+    def process_dataloader(self, dataloader: DataLoader) -> DataLoader:
+        """Every loader is iterated in lockstep across ranks (``uneven_inputs``; a collective)."""
+        return self.ddpx_config.wrap_training_loader(
+            dataloader, dist.group.WORLD, self.root_device, self._uneven_steps
+        )
+
+    @property
+    def replaying(self) -> bool:
+        """Whether the batch just fetched is a replay (this rank ran out, others did not): its backward
+        counts zero. Skip metric updates and sample counts on such batches."""
+        latest = self._uneven_steps.latest
+        return latest is not None and latest.replay
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()  # ddpx_spawn pickles the strategy; weak references do not pickle
+        state["_modules"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._modules = weakref.WeakSet()
+
+    def _on_batch_fetched(self, info: StepInfo) -> None:
+        for wrapped in self._modules:  # the next forward broadcasts buffers from a rank with a real batch
+            wrapped.buffer_source_rank = info.authority
+
+    @override
+    def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
+        if self.replaying:
+            tensor = tensor * 0.0  # same code and collectives as a real step, zero gradient from this rank
+        super().backward(tensor, module, *args, **kwargs)
 
     @override
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
@@ -44,6 +44,7 @@ from lightning_ddpx.config import CommHookFn, DDPXConfig, DDPXConfigAttributes, 
 from lightning_ddpx.consistency import broadcast_from_rank0
 from lightning_ddpx.distributed import DistributedDataParallel
 from lightning_ddpx.hooks import PowerSGDOptions
+from lightning_ddpx.uneven import StepQueue, UnevenInputs
 
 __all__ = ["DDPXStrategy"]
 
@@ -71,6 +72,11 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         comm_stats_every_n_steps: log communication statistics (bytes to the hook and sent, compression
             ratio, time in hooks, exposed communication; per-step means, rank 0's) to the Trainer's loggers
             under ``ddpx/`` every N synchronised steps. ``None`` (default): nothing is logged.
+        uneven_inputs: what to do when ranks have different numbers of training batches (an
+            IterableDataset, ``use_distributed_sampler=False``, a custom sampler): ``"join"`` (default) keeps
+            every rank stepping until the last one runs out, ranks that ran out replaying a batch with zero
+            weight; ``"error"`` raises on every rank naming each rank's batch count; ``"off"`` does nothing
+            (Lightning's ``ddp``: the job hangs until the timeout). See ``docs/uneven-inputs.md``.
 
     The options are read back as attributes (``strategy.comm_hook``, ``strategy.powersgd``, ...) from
     ``strategy.ddpx_config``, the :class:`~lightning_ddpx.config.DDPXConfig` shared with the Fabric strategy
@@ -99,6 +105,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         comm_stats_every_n_steps: Optional[int] = None,
+        uneven_inputs: UnevenInputs = "join",
     ) -> None:
         # Validate everything before Lightning sees the strategy: a typo fails at once, not after launch.
         _check_stats_interval(comm_stats_every_n_steps)
@@ -112,6 +119,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             find_unused_parameters=find_unused_parameters,
             broadcast_buffers=broadcast_buffers,
             gradient_as_bucket_view=gradient_as_bucket_view,
+            uneven_inputs=uneven_inputs,
         )
         super().__init__(
             accelerator=accelerator,
@@ -134,6 +142,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         self._pending_hook_entry: tuple[Any] | None = None
         self._sync_blocked = 0  # depth of block_backward_sync(); read by manual optimisation
         self.comm_stats_every_n_steps = comm_stats_every_n_steps
+        self._uneven_steps = StepQueue()  # what the ranks agreed for each fetched training batch
 
     # ------------------------------------------------------------------------------------ description
     @property
@@ -203,6 +212,39 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         log.debug(f"{type(self).__name__}: registering comm hook {self.hook_name}")
         self._hook_state = self.ddpx_config.register_hook(self.model)
         self._hook_registered = True
+
+    # ---------------------------------------------------------------------------------- uneven inputs
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Training loaders are iterated in lockstep across ranks (``uneven_inputs``); others untouched."""
+        dataloader = super().process_dataloader(dataloader)
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if trainer is None or trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        return self.ddpx_config.wrap_training_loader(
+            dataloader, dist.group.WORLD, self.root_device, self._uneven_steps
+        )
+
+    @property
+    def replaying(self) -> bool:
+        """Whether this rank's current training batch is a replay (its own batches ran out, others' not):
+        its backward counts zero. Callbacks that count samples or update metrics may skip such steps."""
+        return self._uneven_steps.replaying
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        info = self._uneven_steps.advance()
+        if info is not None and isinstance(self.model, DistributedDataParallel):
+            self.model.buffer_source_rank = info.authority  # not a rank that is only replaying
+        super().on_train_batch_start(batch, batch_idx)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
+        if self._uneven_steps.replaying:
+            # Same code, same collectives as a real step, zero gradient from this rank (see uneven.py).
+            closure_loss = closure_loss * 0.0
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     # ------------------------------------------------------------------------------ forward / backward
     @override
