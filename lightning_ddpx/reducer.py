@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from lightning_ddpx.bucketing import BucketInfo, BucketSpec, plan_buckets
 from lightning_ddpx.comm_stats import CommStatsWindow, StepCommStats
+from lightning_ddpx.diagnosis import ProgressBoard, check_same_sequence, dtype_code
 from lightning_ddpx.errors import CommunicationError, waiting_for
 from lightning_ddpx.grad_bucket import (
     GradBucket,
@@ -117,6 +118,8 @@ class Reducer:
         self.collect_stats = True  # off only to measure what collecting costs (benchmarks/bench_stats.py)
         self.stats_window = CommStatsWindow()
         self.plan_history: list[tuple[int, list[BucketInfo]]] = []  # (iterations synced before, plan)
+        self.progress = ProgressBoard(process_group)  # what this rank last started, for hang reports
+        self._forwards_armed = 0  # synchronising forwards so far (DDPX_DEBUG's sequence check compares them)
         self._install_plan(list(reversed(range(len(self.params)))))
         self._handles = [
             p.register_post_accumulate_grad_hook(self._make_grad_hook(i)) for i, p in enumerate(self.params)
@@ -231,7 +234,13 @@ class Reducer:
                     for offset, p in zip(bucket.spec.offsets, bucket.params)
                 ]
                 grad_bucket = GradBucket(b, zeros, views, bucket.params, b == len(self.buckets) - 1)
-                launched.append((b, self._launcher.submit(lambda gb=grad_bucket: hook(state, gb))))
+                self.progress.record(
+                    f"bucket {b} of {len(self.buckets)} ({_hook_name(hook)}), shadowing (joined)"
+                )
+                call: Callable[[], torch.futures.Future] = lambda gb=grad_bucket: hook(state, gb)  # noqa: E731
+                if self.progress.debug:  # a joined rank has no counters of its own: it matches any
+                    call = self._checked(call, b, (-1, -1))
+                launched.append((b, self._launcher.submit(call)))
             bitmap = self._launch_used_bitmap() if self.find_unused_parameters else None
             for b, future in launched:
                 what = f"bucket {b} (parameters {self._bucket_names(b)}), shadowed with zeros by this joined rank"
@@ -246,6 +255,7 @@ class Reducer:
     def prepare_backward(self, outputs: Any) -> None:
         """Called after a synchronising forward: arm reduction, and find unused parameters if asked."""
         self.phase = Phase.ARMED
+        self._forwards_armed += 1
         if self.find_unused_parameters:
             reached = reachable_parameter_indices(outputs, self._index_of)
             self._forward_unused = set(range(len(self.params))) - reached
@@ -330,7 +340,27 @@ class Reducer:
             grad_bucket = GradBucket(
                 b, bucket.buffer, bucket.views, bucket.params, b == len(self.buckets) - 1, sent_log
             )
-            self._futures[b] = self._launcher.submit(self._hook_call(grad_bucket, bucket.nbytes))
+            self.progress.record(
+                f"bucket {b} of {len(self.buckets)} ({_hook_name(self.hook)}) in iteration {self.iterations_synced + 1}"
+            )
+            call = self._hook_call(grad_bucket, bucket.nbytes)
+            if self.progress.debug:
+                call = self._checked(call, b, (self._forwards_armed, self.iterations_synced + 1))
+            self._futures[b] = self._launcher.submit(call)
+
+    def _checked(
+        self, call: Callable[[], torch.futures.Future], b: int, counters: tuple[int, int]
+    ) -> Callable[[], torch.futures.Future]:
+        """``call`` preceded by DDPX_DEBUG's check that every rank reduces this same bucket now."""
+        spec = self.buckets[b].spec
+        signature = (*counters, b, spec.numel, dtype_code(spec.dtype))
+        group, device = self.process_group, self.buckets[b].buffer.device
+
+        def checked() -> torch.futures.Future:
+            check_same_sequence(group, device, signature, f"bucket {b} before its hook")
+            return call()
+
+        return checked
 
     def _hook_call(self, grad_bucket: GradBucket, nbytes: int) -> Callable[[], torch.futures.Future]:
         """The hook's call on one bucket, timed into this iteration's statistics when they are kept."""
@@ -411,6 +441,7 @@ class Reducer:
         self.stats_window.add(stats)
 
     def _launch_used_bitmap(self) -> torch.futures.Future:
+        self.progress.record(f"the used-parameter bitmap in iteration {self.iterations_synced + 1}")
         bitmap = torch.tensor(
             list(self._locally_used), dtype=torch.int32, device=self.buckets[0].buffer.device
         )
