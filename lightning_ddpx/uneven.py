@@ -5,7 +5,8 @@ Lightning's loops and a Fabric user's loop run collectives of their own between 
 and barrier, SyncBatchNorm reduces inside forward). A module-level join cannot shadow those: it only knows
 its own collectives. So the strategies keep the ranks in step one level up, at the data:
 
-- each ``next()`` on a rank's loader is one small allreduce saying which ranks still have a batch;
+- each ``next()`` on a rank's loader is one small allreduce saying which ranks still have a batch (started
+  one batch ahead, so it travels while the previous step trains);
 - while at least one has, a rank that ran out *replays* its last batch (a rank that never had one gets a
   copy of the lowest active rank's current batch, once) and its backward is multiplied by zero, so it runs
   exactly the code -- and the collectives -- of a real step but contributes a zero gradient; the gradient
@@ -162,12 +163,9 @@ class LockstepLoader:
     def _lockstep(self, iterator: Iterator[Any]) -> Iterator[Any]:
         served = 0
         replay: list[Any] = []  # the batch this rank replays once its own are exhausted
+        pending = self._start_exchange(iterator, served, has_replay=False)
         while True:
-            try:
-                batch, has_batch = next(iterator), True
-            except StopIteration:
-                batch, has_batch = None, False
-            table = self._exchange(has_batch, bool(replay), served)
+            batch, has_batch, table = self._finish_exchange(*pending)
             active = [r for r in range(self.world_size) if table[_HAS_BATCH][r]]
             if not active:
                 self.steps.latest = None
@@ -185,16 +183,30 @@ class LockstepLoader:
                 served += 1
                 replay[:] = [batch]
             self.steps.push(StepInfo(replay=not has_batch, authority=max(active)))
+            # The next batch's flags travel while this step trains: the allreduce's latency is hidden.
+            pending = self._start_exchange(iterator, served, has_replay=bool(replay))
             yield batch if has_batch else replay[0]
 
-    def _exchange(self, has_batch: bool, has_replay: bool, served: int) -> list[list[int]]:
+    def _start_exchange(
+        self, iterator: Iterator[Any], served: int, has_replay: bool
+    ) -> tuple[Any, bool, torch.Tensor, Any]:
+        """Fetch this rank's next batch and start the allreduce of every rank's flags (asynchronous)."""
+        try:
+            batch, has_batch = next(iterator), True
+        except StopIteration:
+            batch, has_batch = None, False
         table = torch.zeros(3, self.world_size, dtype=torch.int64, device=self.device)
         table[_HAS_BATCH, self.rank] = int(has_batch)
         table[_HAS_REPLAY, self.rank] = int(has_replay)
         table[_SERVED, self.rank] = served
+        return batch, has_batch, table, dist.all_reduce(table, group=self.process_group, async_op=True)
+
+    def _finish_exchange(
+        self, batch: Any, has_batch: bool, table: torch.Tensor, work: Any
+    ) -> tuple[Any, bool, list[list[int]]]:
         with waiting_for("the other ranks' 'I have a batch' flags (uneven_inputs)", self.process_group):
-            dist.all_reduce(table, group=self.process_group)
-        return table.tolist()
+            work.wait()
+        return batch, has_batch, table.tolist()
 
     def _donate(self, batch: Any, donor: int) -> Any:
         """A rank that never had a batch gets a copy of ``donor``'s current one to replay (once)."""
