@@ -119,7 +119,9 @@ class Reducer:
         self.stats_window = CommStatsWindow()
         self.plan_history: list[tuple[int, list[BucketInfo]]] = []  # (iterations synced before, plan)
         self.progress = ProgressBoard(process_group)  # what this rank last started, for hang reports
-        self._forwards_armed = 0  # synchronising forwards so far (DDPX_DEBUG's sequence check compares them)
+        # Synchronising forwards and reductions so far, shadowed ones (join) included: DDPX_DEBUG compares them.
+        self._forwards_armed = 0
+        self._reductions = 0
         self._install_plan(list(reversed(range(len(self.params)))))
         self._handles = [
             p.register_post_accumulate_grad_hook(self._make_grad_hook(i)) for i, p in enumerate(self.params)
@@ -238,8 +240,8 @@ class Reducer:
                     f"bucket {b} of {len(self.buckets)} ({_hook_name(hook)}), shadowing (joined)"
                 )
                 call: Callable[[], torch.futures.Future] = lambda gb=grad_bucket: hook(state, gb)  # noqa: E731
-                if self.progress.debug:  # a joined rank has no counters of its own: it matches any
-                    call = self._checked(call, b, (-1, -1))
+                if self.progress.debug:  # counted as if this rank ran the forward it shadows
+                    call = self._checked(call, b, (self._forwards_armed + 1, self._reductions + 1))
                 launched.append((b, self._launcher.submit(call)))
             bitmap = self._launch_used_bitmap() if self.find_unused_parameters else None
             for b, future in launched:
@@ -251,6 +253,8 @@ class Reducer:
                     "the used-parameter bitmap, shadowed by this joined rank", self.process_group
                 ):
                     bitmap.wait()
+        self._forwards_armed += 1
+        self._reductions += 1
 
     def prepare_backward(self, outputs: Any) -> None:
         """Called after a synchronising forward: arm reduction, and find unused parameters if asked."""
@@ -345,7 +349,7 @@ class Reducer:
             )
             call = self._hook_call(grad_bucket, bucket.nbytes)
             if self.progress.debug:
-                call = self._checked(call, b, (self._forwards_armed, self.iterations_synced + 1))
+                call = self._checked(call, b, (self._forwards_armed, self._reductions + 1))
             self._futures[b] = self._launcher.submit(call)
 
     def _checked(
@@ -506,6 +510,7 @@ class Reducer:
 
     def _end_iteration(self, succeeded: bool) -> None:
         self.phase = Phase.IDLE
+        self._reductions += 1
         self._synced_since_forward = succeeded
         if succeeded:
             self.iterations_synced += 1

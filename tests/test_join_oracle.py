@@ -9,6 +9,7 @@ torch twin that joins on several gloo buckets (PowerSGD) must run to the end wit
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 import pytest
@@ -143,7 +144,9 @@ def test_join_matches_torch_three_ranks_one_without_input() -> None:
 
 
 # ---------------------------------------------------------------------------------------- PowerSGD
-def run_powersgd(rank: int, world_size: int, batched: bool) -> dict[str, torch.Tensor]:
+def run_powersgd(rank: int, world_size: int, batched: bool, debug: bool = False) -> dict[str, torch.Tensor]:
+    if debug:  # DDPX_DEBUG's per-bucket sequence check: joined ranks must take part in it too
+        os.environ["DDPX_DEBUG"] = "1"
     torch.manual_seed(0)
     model = lightning_ddpx.DistributedDataParallel(mlp(), **SMALL_BUCKETS)
     options = {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2}
@@ -161,6 +164,13 @@ def run_powersgd(rank: int, world_size: int, batched: bool) -> dict[str, torch.T
 def test_powersgd_joins_and_replicas_agree(world_size: int, batched: bool) -> None:
     results = run_distributed(run_powersgd, world_size, batched, timeout=120, pg_timeout=30)
     for rank in range(1, world_size):
+        for key, value in results[rank].items():
+            torch.testing.assert_close(value, results[0][key], rtol=0, atol=0, msg=f"rank {rank} {key}")
+
+
+def test_join_under_ddpx_debug_sequence_check() -> None:
+    results = run_distributed(run_powersgd, 3, False, True, timeout=120, pg_timeout=30)
+    for rank in range(1, 3):
         for key, value in results[rank].items():
             torch.testing.assert_close(value, results[0][key], rtol=0, atol=0, msg=f"rank {rank} {key}")
 
