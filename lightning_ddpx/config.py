@@ -108,13 +108,13 @@ class DDPXConfig:
         )
 
     def wrap_training_loader(
-        self, loader: Any, process_group: dist.ProcessGroup, device: Any, steps: StepQueue
+        self, loader: Any, process_group: dist.ProcessGroup, device: Any, steps: StepQueue, for_fabric: bool
     ) -> Any:
         """``loader`` iterated in lockstep across ranks (:mod:`lightning_ddpx.uneven`), unless
-        ``uneven_inputs="off"`` or there is one rank. A collective: every rank must call it."""
+        ``uneven_inputs="off"`` or there is one rank. For the Trainer a collective: every rank calls it."""
         if self.uneven_inputs == "off" or dist.get_world_size(process_group) == 1:
             return loader
-        return LockstepLoader(loader, self.uneven_inputs, process_group, device, steps)  # type: ignore[arg-type]
+        return LockstepLoader(loader, self.uneven_inputs, process_group, device, steps, for_fabric)  # type: ignore[arg-type]
 
     def register_hook(self, module: DistributedDataParallel) -> Any:
         """Build the hook (a new state per module for named hooks), register it; return its state.

@@ -63,9 +63,9 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         powersgd: options of ``comm_hook="powersgd"``/``"batched_powersgd"`` (``PowerSGDOptions`` or a dict).
         bucket_cap_mb, first_bucket_cap_mb, find_unused_parameters, broadcast_buffers,
             gradient_as_bucket_view: passed to :class:`lightning_ddpx.DistributedDataParallel`.
-        uneven_inputs: ``"join"`` (default), ``"error"`` or ``"off"``, as in the Trainer strategy, for every
-            loader passed to ``fabric.setup_dataloaders`` (Fabric cannot tell training from evaluation loaders:
-            check ``fabric.strategy.replaying`` to skip metric updates on replayed batches).
+        uneven_inputs: ``"join"`` (default), ``"error"`` or ``"off"``, as in the Trainer strategy, for the
+            loaders passed to ``fabric.setup_dataloaders`` when iterated with gradients enabled (Fabric cannot
+            tell training from evaluation loaders; an evaluation loop under ``torch.no_grad()`` is left alone).
     """
 
     def __init__(
@@ -148,9 +148,10 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     # ---------------------------------------------------------------------------------- uneven inputs
     @override
     def process_dataloader(self, dataloader: DataLoader) -> DataLoader:
-        """Every loader is iterated in lockstep across ranks (``uneven_inputs``; a collective)."""
+        """Loaders are iterated in lockstep across ranks (``uneven_inputs``), except in loops entered with
+        gradients disabled (evaluation, possibly on rank 0 alone)."""
         return self.ddpx_config.wrap_training_loader(
-            dataloader, dist.group.WORLD, self.root_device, self._uneven_steps
+            dataloader, dist.group.WORLD, self.root_device, self._uneven_steps, for_fabric=True
         )
 
     @property

@@ -223,7 +223,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         if trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         return self.ddpx_config.wrap_training_loader(
-            dataloader, dist.group.WORLD, self.root_device, self._uneven_steps
+            dataloader, dist.group.WORLD, self.root_device, self._uneven_steps, for_fabric=False
         )
 
     @property

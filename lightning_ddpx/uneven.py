@@ -109,6 +109,11 @@ class LockstepLoader:
     ``val_check_interval``), or absent if any rank's loader has none. Other attributes (``sampler``,
     ``batch_size``, ``dataset``) are the wrapped loader's. ``steps`` receives a :class:`StepInfo` at each
     ``next()`` that yields a batch, in order (Lightning fetches one batch ahead for unsized loaders).
+
+    ``for_fabric=True``: Fabric cannot tell training from evaluation loaders, and users often evaluate on
+    rank 0 alone. So no collective happens at construction (the lengths are gathered at the first lockstep
+    iteration; until then ``len()`` is this rank's), and a loop entered with gradients disabled
+    (``torch.no_grad()``, inference mode: evaluation) iterates the plain loader.
     """
 
     def __init__(
@@ -118,23 +123,32 @@ class LockstepLoader:
         process_group: dist.ProcessGroup,
         device: torch.device,
         steps: StepQueue,
+        for_fabric: bool = False,
     ) -> None:
         self.loader = loader
+        self.for_fabric = for_fabric
         self.mode = mode
         self.process_group = process_group
         self.device = device
         self.steps = steps
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
-        self._lengths = self._gather_lengths()
-        if mode == "error" and self._lengths is not None and len(set(self._lengths)) > 1:
+        self._lengths: Optional[list[int]] = None
+        self._gathered = False
+        if not for_fabric:
+            self._gather_lengths()
+
+    def _gather_lengths(self) -> None:
+        """Every rank's ``len()`` (a collective); raises in ``"error"`` mode if they differ."""
+        self._lengths, self._gathered = self._all_lengths(), True
+        if self.mode == "error" and self._lengths is not None and len(set(self._lengths)) > 1:
             counts = ", ".join(f"rank {r}: {n}" for r, n in enumerate(self._lengths))
             raise UnevenInputsError(
                 f"lightning_ddpx: ranks have different numbers of training batches (uneven_inputs='error'): "
                 f"{counts}. {_FIX}"
             )
 
-    def _gather_lengths(self) -> Optional[list[int]]:
+    def _all_lengths(self) -> Optional[list[int]]:
         try:
             local = len(self.loader)
         except (TypeError, NotImplementedError):
@@ -147,6 +161,8 @@ class LockstepLoader:
         return None if min(values) < 0 else values
 
     def __len__(self) -> int:
+        if not self._gathered:
+            return len(self.loader)
         if self._lengths is None:
             raise TypeError("a rank's training loader has no length")
         return max(self._lengths)
@@ -158,6 +174,11 @@ class LockstepLoader:
 
     def __iter__(self) -> Iterator[Any]:
         self.steps.reset()  # a new epoch (or an iterator Lightning made and dropped): nothing is pending
+        if self.for_fabric:
+            if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+                return iter(self.loader)  # evaluation: maybe on one rank only, no backward to keep in step
+            if not self._gathered:
+                self._gather_lengths()
         return self._lockstep(iter(self.loader))
 
     def _lockstep(self, iterator: Iterator[Any]) -> Iterator[Any]:

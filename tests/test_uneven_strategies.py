@@ -174,7 +174,7 @@ def fabric_job(rank: int, world_size: int, mode: str) -> Any:
     model, optimizer = fabric.setup(module, module.configure_optimizers())
     x, y = rank_batches(rank, COUNTS[world_size][rank])
     steps = replays = 0
-    try:  # "error" raises in setup_dataloaders when the loaders have lengths, else at the first short next()
+    try:  # "error" raises when the loop starts if the loaders have lengths, else at the first short next()
         loader = fabric.setup_dataloaders(
             DataLoader(TensorDataset(x, y), batch_size=BATCH), use_distributed_sampler=False
         )
@@ -187,7 +187,11 @@ def fabric_job(rank: int, world_size: int, mode: str) -> Any:
                 replays += int(fabric.strategy.replaying)
     except UnevenInputsError as error:
         return str(error)
-    return steps, replays, parameters_of(module)
+    evaluated = None
+    if rank == 0:  # evaluation on one rank, gradients off: the plain loader, no collective to wait for
+        with torch.no_grad():
+            evaluated = sum(1 for _ in loader)
+    return steps, replays, parameters_of(module), evaluated
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -195,7 +199,8 @@ def test_fabric_uneven_loop_ends_together_and_matches_the_oracle(world_size: int
     results = run_distributed(fabric_job, world_size, "join", init_process_group=False, timeout=120)
     expected = oracle(COUNTS[world_size], EPOCHS)
     longest = max(COUNTS[world_size])
-    for rank, (steps, replays, params) in enumerate(results):
+    assert results[0][3] == COUNTS[world_size][0]
+    for rank, (steps, replays, params, _) in enumerate(results):
         assert steps == EPOCHS * longest
         assert replays == EPOCHS * (longest - COUNTS[world_size][rank])
         for name, value in params.items():
