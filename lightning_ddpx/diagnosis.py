@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import time
+from datetime import timedelta
 from typing import Sequence
 
 import torch
@@ -36,6 +37,7 @@ __all__ = [
 
 DEBUG_ENV = "DDPX_DEBUG"
 PROGRESS_INTERVAL_S = 0.5  # store writes per rank at most this often (one TCP round trip each)
+_STORE_TIMEOUT_S = 1.0  # longest a store operation of the diagnosis may block
 _FINAL_GRACE_S = 1.0  # how long a failing rank waits for the other ranks' final records
 _KEY = "lightning_ddpx/progress/{rank}"
 _BOARDS: dict[int, ProgressBoard] = {}  # id(process group) -> the board of the latest module on it
@@ -131,13 +133,20 @@ def peer_report(process_group: dist.ProcessGroup | None) -> str | None:
 
 
 def _store_of(process_group: dist.ProcessGroup) -> dist.Store | None:
+    """A private client of the group's store with a short timeout: a report must not wait for a dead link."""
     try:
-        return dist.distributed_c10d._get_process_group_store(process_group)
+        store = dist.distributed_c10d._get_process_group_store(process_group)
     except Exception:  # noqa: BLE001 - private API; fall back to the default store
         try:
-            return dist.distributed_c10d._get_default_store()
+            store = dist.distributed_c10d._get_default_store()
         except Exception:  # noqa: BLE001
             return None
+    try:
+        store = store.clone()
+        store.set_timeout(timedelta(seconds=_STORE_TIMEOUT_S))
+    except Exception:  # noqa: BLE001 - stores that cannot clone: use the shared client
+        pass
+    return store
 
 
 # ------------------------------------------------------------------------------------ sequence check

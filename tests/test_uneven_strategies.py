@@ -65,6 +65,23 @@ class UnevenRegressor(TinyRegressor):
         return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
 
 
+class UnevenManual(UnevenRegressor):
+    """The same training in manual optimisation: manual_backward of a replayed batch counts zero too."""
+
+    def __init__(self, counts: list[int], iterable: bool = False) -> None:
+        super().__init__(counts, iterable)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        self.manual_backward(loss)
+        optimizer.step()
+
+
 def oracle(counts: list[int], epochs: int) -> dict[str, torch.Tensor]:
     seed_everything(0, verbose=False)
     model = TinyRegressor()
@@ -83,11 +100,13 @@ def oracle(counts: list[int], epochs: int) -> dict[str, torch.Tensor]:
     return parameters_of(model)
 
 
-def _fit(world_size: int, iterable: bool = False, **kwargs: Any) -> tuple[Any, UnevenRegressor]:
+def _fit(
+    world_size: int, iterable: bool = False, manual: bool = False, **kwargs: Any
+) -> tuple[Any, UnevenRegressor]:
     from lightning_ddpx import DDPXStrategy
 
     seed_everything(0, verbose=False)
-    model = UnevenRegressor(COUNTS[world_size], iterable)
+    model = (UnevenManual if manual else UnevenRegressor)(COUNTS[world_size], iterable)
     strategy = DDPXStrategy(uneven_inputs=kwargs.pop("uneven_inputs", "join"), bucket_cap_mb=0.0005)
     options = dict(max_epochs=EPOCHS, max_steps=-1, devices=world_size, use_distributed_sampler=False)
     options.update(limit_val_batches=2, num_sanity_val_steps=0)
@@ -106,6 +125,8 @@ def trainer_job(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     for iterable in (False, True):
         trainer, model = _fit(world_size, iterable)
         out[f"iterable={iterable}"] = (trainer.global_step, parameters_of(model))
+    trainer, model = _fit(world_size, manual=True)
+    out["manual"] = (trainer.global_step, parameters_of(model))
     try:
         _fit(world_size, uneven_inputs="error")
         out["error"] = "no error"
@@ -129,15 +150,19 @@ def trainer_results(request, tmp_path_factory) -> tuple[int, list[dict[str, Any]
     )
 
 
-@pytest.mark.parametrize("iterable", [False, True], ids=["sized_loader", "iterable_dataset"])
-def test_trainer_uneven_epochs_end_together_and_match_the_oracle(trainer_results, iterable) -> None:
+@pytest.mark.parametrize(
+    "variant",
+    ["iterable=False", "iterable=True", "manual"],
+    ids=["sized_loader", "iterable_dataset", "manual_opt"],
+)
+def test_trainer_uneven_epochs_end_together_and_match_the_oracle(trainer_results, variant) -> None:
     world_size, results = trainer_results
     expected = oracle(COUNTS[world_size], EPOCHS)
     for rank, result in enumerate(results):
-        steps, params = result[f"iterable={iterable}"]
+        steps, params = result[variant]
         assert steps == EPOCHS * max(COUNTS[world_size]), f"rank {rank} took {steps} steps"
         for name, value in params.items():
-            torch.testing.assert_close(value, results[0][f"iterable={iterable}"][1][name], rtol=0, atol=0)
+            torch.testing.assert_close(value, results[0][variant][1][name], rtol=0, atol=0)
             torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
 
 
