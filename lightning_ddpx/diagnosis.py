@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from datetime import timedelta
 from typing import Sequence
@@ -53,7 +54,12 @@ class CollectiveMismatchError(CommunicationError):
 
 
 class ProgressBoard:
-    """This rank's last started collective, in memory and (rate-limited) in the process group's store."""
+    """This rank's last started collective, in memory and (rate-limited) in the process group's store.
+
+    The training thread never touches the store: it assigns a string and, when a write is due, wakes a
+    writer thread. A store that cannot be reached (its host died, the link is down) then delays nothing
+    but the diagnosis, and the failure report itself is bounded in time.
+    """
 
     def __init__(self, process_group: dist.ProcessGroup, debug: bool | None = None) -> None:
         self.process_group = process_group
@@ -62,29 +68,70 @@ class ProgressBoard:
         self.debug = debug_enabled() if debug is None else debug
         self.last = "nothing yet"
         self._written_at = float("-inf")
+        self._stamp = 0.0  # wall time of the record the writer thread writes next
         self._store = _store_of(process_group)
+        self._wake = threading.Event()
+        self._writer: threading.Thread | None = None
+        self._closed = False
         _BOARDS[id(process_group)] = self
 
     def record(self, what: str) -> None:
-        """Note that this rank starts ``what``; cheap unless a store write is due."""
+        """Note that this rank starts ``what``; cheap (a store write, when due, happens on another thread)."""
         self.last = what
         now = time.monotonic()
         if self.debug or now - self._written_at >= PROGRESS_INTERVAL_S:
             self._written_at = now
-            self._write("P")
+            self._stamp = time.time()
+            if self._writer is None and self._store is not None:
+                self._writer = threading.Thread(
+                    target=self._serve, name="lightning_ddpx-progress", daemon=True
+                )
+                self._writer.start()
+            self._wake.set()
 
-    def _write(self, kind: str) -> None:
-        if self._store is None:
+    def close(self) -> None:
+        """Stop the writer thread (the module is closed)."""
+        self._closed = True
+        self._wake.set()
+
+    def _serve(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._closed or self._store is None:
+                return
+            self._write("P", self.last, self._stamp)
+
+    def _write(self, kind: str, what: str, stamp: float) -> None:
+        store = self._store
+        if store is None:
             return
         try:
-            self._store.set(_KEY.format(rank=self.rank), f"{kind}|{time.time():.3f}|{self.last}")
+            store.set(_KEY.format(rank=self.rank), f"{kind}|{stamp:.3f}|{what}")
         except Exception:  # noqa: BLE001 - diagnosis must never break training; the store may be gone
             self._store = None
 
     def report(self, grace_s: float = _FINAL_GRACE_S) -> str:
-        """Every other rank's last record (waiting up to ``grace_s`` for their final ones), as one sentence."""
-        self._write("F")
-        if self._store is None:
+        """Every other rank's last record (waiting up to ``grace_s`` for their final ones), as one sentence.
+
+        Runs on a helper thread and gives up after ``grace_s`` + ``_STORE_TIMEOUT_S``: an unreachable store
+        must not hold back the error it decorates.
+        """
+        answer: list[str] = []
+        helper = threading.Thread(target=lambda: answer.append(self._read_peers(grace_s)), daemon=True)
+        helper.start()
+        helper.join(grace_s + _STORE_TIMEOUT_S + 0.5)
+        if answer:
+            return answer[0]
+        return (
+            "What the other ranks were doing is unknown: the process group's store did not answer (it lives on "
+            "rank 0's host: that host or the link to it may be down)."
+        )
+
+    def _read_peers(self, grace_s: float) -> str:
+        self._write("F", self.last, time.time())
+        store = self._store
+        if store is None:
             return "What the other ranks were doing is unknown: the process group's store is unreachable."
         keys = {r: _KEY.format(rank=r) for r in range(self.world_size) if r != self.rank}
         deadline = time.monotonic() + grace_s
@@ -92,8 +139,8 @@ class ProgressBoard:
         try:
             while True:
                 for r, key in keys.items():
-                    if self._store.check([key]):
-                        records[r] = self._store.get(key).decode()
+                    if store.check([key]):
+                        records[r] = store.get(key).decode()
                 if all(v.startswith("F|") for v in records.values()) and len(records) == len(keys):
                     break
                 if time.monotonic() >= deadline:

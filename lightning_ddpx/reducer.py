@@ -554,6 +554,7 @@ class Reducer:
             handle.remove()
         self._handles = []
         self._launcher.close()
+        self.progress.close()
 
     def order_state(self) -> dict[str, Any]:
         """The bucket layout as plain values: parameter names in buffer order, and whether it was rebuilt."""
