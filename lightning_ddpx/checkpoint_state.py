@@ -24,6 +24,8 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
+from lightning_ddpx.errors import waiting_for
+
 __all__ = [
     "CHECKPOINT_KEY",
     "FORMAT_VERSION",
@@ -102,7 +104,10 @@ def _split_on_every_rank(
     except TypeError as error:
         parts, problem = None, f"lightning_ddpx (rank {rank}): {str(error).removeprefix('lightning_ddpx: ')}"
     problems: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(problems, problem, group=group)
+    with waiting_for(
+        f"every rank to check its state of comm hook {hook!r} before writing a checkpoint", group
+    ):
+        dist.all_gather_object(problems, problem, group=group)
     first = next((found for found in problems if found is not None), None)
     if first is not None:
         raise TypeError(first)
@@ -129,9 +134,12 @@ def gather_entry(state: Any, hook: str, group: dist.ProcessGroup | None = None) 
         return entry if rank == 0 else None
     shared, per_rank = _split_on_every_rank(state, hook, rank, group)
     gathered: list[Any] | None = [None] * world_size if rank == 0 else None
-    dist.gather_object(
-        per_rank, gathered, dst=dist.get_global_rank(group or dist.group.WORLD, 0), group=group
-    )
+    with waiting_for(
+        f"every rank's state of comm hook {hook!r}, gathered to rank 0 to write a checkpoint", group
+    ):
+        dist.gather_object(
+            per_rank, gathered, dst=dist.get_global_rank(group or dist.group.WORLD, 0), group=group
+        )
     if rank != 0:
         return None
     entry["shared"], entry["per_rank"] = shared, gathered

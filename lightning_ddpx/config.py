@@ -19,9 +19,10 @@ import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_ddpx import checkpoint_state
+from lightning_ddpx import checkpoint_state, post_local_sgd_setup
 from lightning_ddpx.distributed import DistributedDataParallel
 from lightning_ddpx.hooks import (
+    PostLocalSGDOptions,
     PowerSGDOptions,
     available_hooks,
     bf16_compress_wrapper,
@@ -58,6 +59,10 @@ class DDPXConfig:
     comm_wrapper: Optional[Literal["fp16", "bf16"]] = None
     # Options of comm_hook="powersgd"/"batched_powersgd" (a PowerSGDOptions or a dict of its fields).
     powersgd: Optional[Union[PowerSGDOptions, dict[str, Any]]] = None
+    # Options of comm_hook="post_local_sgd" (a PostLocalSGDOptions or a dict of its fields).
+    post_local_sgd: Optional[Union[PostLocalSGDOptions, dict[str, Any]]] = None
+    # Lightning's: average the model every N steps after post-local SGD starts (see post_local_sgd_setup).
+    model_averaging_period: Optional[int] = None
     # The rest goes to lightning_ddpx.DistributedDataParallel unchanged.
     bucket_cap_mb: float = 25.0
     first_bucket_cap_mb: float = 1.0
@@ -76,6 +81,13 @@ class DDPXConfig:
         # frozen: normalise through object.__setattr__, once, here
         object.__setattr__(self, "comm_hook", comm_hook)
         object.__setattr__(self, "powersgd", _powersgd_options(comm_hook, self.powersgd))
+        object.__setattr__(
+            self,
+            "post_local_sgd",
+            post_local_sgd_setup.resolve_options(
+                comm_hook, self.comm_state, self.post_local_sgd, self.model_averaging_period
+            ),
+        )
         object.__setattr__(self, "bucket_cap_mb", float(self.bucket_cap_mb))
         object.__setattr__(self, "first_bucket_cap_mb", float(self.first_bucket_cap_mb))
 
@@ -129,9 +141,12 @@ class DDPXConfig:
                 process_group=module.process_group,
                 powersgd=self.powersgd,
                 wrapper=self.comm_wrapper,
+                post_local_sgd=self.post_local_sgd,
             )
         else:
-            state, hook = self.comm_state, self.comm_hook
+            state, hook = post_local_sgd_setup.adopt_torch_state(
+                self.comm_state, self.comm_hook, self.model_averaging_period
+            )
             if self.comm_wrapper is not None:
                 hook = _WRAPPERS[self.comm_wrapper](hook)
         module.register_comm_hook(state, hook)
@@ -141,17 +156,19 @@ class DDPXConfig:
     def hook_entry(
         self,
         hook_state: Any,
-        module: Optional[DistributedDataParallel] = None,
         group: Optional[dist.ProcessGroup] = None,
+        bucket_layout: Optional[dict[str, Any]] = None,
     ) -> Optional[dict[str, Any]]:
-        """The checkpoint entry (every rank's hook state, and the bucket layout of ``module`` if given) on
-        rank 0 of ``group``; ``None`` on the other ranks. A collective: every rank must call it."""
-        group = group if group is not None else (module.process_group if module is not None else None)
+        """The checkpoint entry (every rank's hook state, and ``bucket_layout`` if given) on rank 0 of
+        ``group``; ``None`` on the other ranks. A collective: every rank must call it.
+
+        ``bucket_layout`` is the module's ``reducer_state_dict()``: rank 0's layout is every rank's (the
+        rebuild broadcasts it), and hook state is keyed by bucket, so the resumed run must reduce the same
+        buckets from its first step.
+        """
         entry = checkpoint_state.gather_entry(hook_state, self.hook_name, group)
-        if entry is not None and module is not None:
-            # Rank 0's layout is every rank's (the rebuild broadcasts it). Hook state is keyed by bucket,
-            # so the resumed run must reduce the same buckets from its first step.
-            entry["bucket_layout"] = module.reducer_state_dict()
+        if entry is not None and bucket_layout is not None:
+            entry["bucket_layout"] = bucket_layout
         return entry
 
     def restore_hook_entry(self, module: DistributedDataParallel, hook_state: Any, entry: Any) -> None:
@@ -194,6 +211,8 @@ class DDPXConfigAttributes:
     comm_state = _ConfigOption()
     comm_wrapper = _ConfigOption()
     powersgd = _ConfigOption()
+    post_local_sgd = _ConfigOption()
+    model_averaging_period = _ConfigOption()
     bucket_cap_mb = _ConfigOption()
     first_bucket_cap_mb = _ConfigOption()
     find_unused_parameters = _ConfigOption()
@@ -231,7 +250,7 @@ def _check_hook_arguments(comm_hook: Any, comm_state: Any, comm_wrapper: Any) ->
         if comm_state is not None:
             raise ValueError(
                 f"DDPXStrategy: comm_state is for callable hooks; the named hook {comm_hook!r} builds its own state "
-                "(configure PowerSGD through powersgd=...)."
+                "(configure PowerSGD through powersgd=..., post-local SGD through post_local_sgd=...)."
             )
         return
     if not callable(comm_hook):
@@ -277,7 +296,7 @@ def _powersgd_options(comm_hook: Any, powersgd: Any) -> Optional[PowerSGDOptions
     """
     if powersgd is None:
         return None
-    if not isinstance(comm_hook, str) or comm_hook in _OPTIONLESS_HOOKS:
+    if not isinstance(comm_hook, str) or comm_hook in (*_OPTIONLESS_HOOKS, post_local_sgd_setup.HOOK_NAME):
         raise ValueError(
             f"DDPXStrategy: powersgd options are given but comm_hook is {comm_hook!r}, which takes none. "
             f"Set comm_hook to one of {list(_POWERSGD_HOOKS)} or drop powersgd=..."

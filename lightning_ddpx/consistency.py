@@ -15,7 +15,13 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["ParameterSignature", "verify_same_parameters", "broadcast_from_rank0"]
+__all__ = [
+    "ParameterSignature",
+    "broadcast_from_rank0",
+    "describe_setting_difference",
+    "verify_same_parameters",
+    "verify_same_settings",
+]
 
 ParameterSignature = tuple[str, tuple[int, ...], str, bool]  # name, shape, dtype, requires_grad
 
@@ -24,8 +30,8 @@ def _signatures(named_parameters: Sequence[tuple[str, torch.nn.Parameter]]) -> l
     return [(name, tuple(p.shape), str(p.dtype), bool(p.requires_grad)) for name, p in named_parameters]
 
 
-def _digest(signatures: list[ParameterSignature]) -> int:
-    raw = hashlib.sha256(repr(signatures).encode()).digest()[:8]
+def _digest(value: object) -> int:
+    raw = hashlib.sha256(repr(value).encode()).digest()[:8]
     return struct.unpack("<q", raw)[0]
 
 
@@ -75,6 +81,49 @@ def describe_first_difference(per_rank: list[list[ParameterSignature]]) -> str:
                     + "(same constructor arguments, same requires_grad flags) before wrapping it."
                 )
     return header + f"Parameter counts per rank differ: {counts}."
+
+
+def verify_same_settings(
+    settings: dict[str, str], process_group: dist.ProcessGroup, device: torch.device
+) -> None:
+    """Raise ``ValueError`` on every rank if ranks were configured differently (hook, its options, bucket
+    caps, ...): their collectives would then not match, which ends in a hang or a crash inside the backend
+    at some later step. One small all-gather of a digest; descriptions travel only when digests differ."""
+    world_size = dist.get_world_size(process_group)
+    mine = torch.tensor([_digest(sorted(settings.items()))], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(gathered, mine, group=process_group)
+    if all(int(d) == int(gathered[0]) for d in gathered):
+        return
+    everyone: list[dict[str, str] | None] = [None] * world_size
+    dist.all_gather_object(everyone, settings, group=process_group)
+    raise ValueError(describe_setting_difference(everyone))  # type: ignore[arg-type]
+
+
+def describe_setting_difference(per_rank: list[dict[str, str]]) -> str:
+    """A message naming the first setting (in sorted order) that differs, with each rank's value (pure)."""
+    keys = sorted(set().union(*per_rank))
+    for key in keys:
+        values = [settings.get(key, "<not set>") for settings in per_rank]
+        if all(v == values[0] for v in values):
+            continue
+        ranks_by_value: dict[str, list[int]] = defaultdict(list)
+        for rank, value in enumerate(values):
+            ranks_by_value[value].append(rank)
+        detail = "; ".join(
+            f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))}: {value}"
+            for value, ranks in ranks_by_value.items()
+        )
+        others = [k for k in keys if k != key and len({s.get(k) for s in per_rank}) > 1]
+        listed = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        more = f" Other settings that differ: {listed}." if others else ""
+        return (
+            "lightning_ddpx.DistributedDataParallel: ranks are configured differently, so their collectives "
+            "would not match (a hang, or a crash inside the communication backend, at a later step). "
+            f"Setting {key!r} differs: {detail}.{more} Give every rank the same options (the same "
+            "DDPXStrategy arguments or config file; the same comm hook, hook options and bucket caps)."
+        )
+    return "lightning_ddpx.DistributedDataParallel: ranks are configured differently."
 
 
 @torch.no_grad()

@@ -8,6 +8,7 @@ training: bad input fails on every rank at once, before work is lost.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Callable, Iterator
 
 import torch
@@ -17,7 +18,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from lightning_ddpx.bucketing import BucketInfo, megabytes_to_bytes
 from lightning_ddpx.comm_stats import CommStatsSummary, StepCommStats
-from lightning_ddpx.consistency import broadcast_from_rank0, verify_same_parameters
+from lightning_ddpx.consistency import broadcast_from_rank0, verify_same_parameters, verify_same_settings
 from lightning_ddpx.errors import waiting_for
 from lightning_ddpx.hooks.backend_support import check_bf16_hook
 from lightning_ddpx.join import DDPXJoinHook, announce, broadcast_from
@@ -99,6 +100,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             gradient_as_bucket_view=gradient_as_bucket_view,
         )
         self._hook_registered = False
+        self._settings_verified = False  # at the first synchronising forward, once the hook is registered
 
     # ------------------------------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -116,6 +118,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         rebuild_src, buffers_src = 0, self.buffer_source_rank
         if self._join_config.enable:
             rebuild_src, buffers_src = self._announce_to_joined_ranks(will_sync, sync_buffers)
+        if will_sync:
+            self._verify_settings_once()
         self.reducer.prepare_forward(will_sync, rebuild_src=rebuild_src)
         if sync_buffers:
             self._broadcast_buffers(buffers_src)
@@ -127,7 +131,14 @@ class DistributedDataParallel(nn.Module, Joinable):
         Returns the ranks to rebuild buckets and broadcast buffers from: ranks that joined hold stale ones.
         """
         work = Join.notify_join_context(self)  # raises here with throw_on_early_termination=True
-        round_ = announce(self, True, will_sync, will_sync and self.reducer.rebuild_pending, sync_buffers)
+        round_ = announce(
+            self,
+            active=True,
+            will_sync=will_sync,
+            will_verify=will_sync and not self._settings_verified and self.world_size > 1,
+            will_rebuild=will_sync and self.reducer.rebuild_pending,
+            will_broadcast_buffers=sync_buffers,
+        )
         if work is not None:
             work.wait()
         divide_by_all = (
@@ -166,8 +177,34 @@ class DistributedDataParallel(nn.Module, Joinable):
         wrapper's forward, before forward could arm the reducer; the caller (the strategy) decides when a
         backward should synchronise and calls this with its loss (used to find unused parameters).
         """
+        self._verify_settings_once()
         self.reducer.prepare_forward(will_sync=True)
         self.reducer.prepare_backward(outputs)
+
+    def _verify_settings_once(self) -> None:
+        """Before the first synchronised backward, check that every rank uses the same hook, hook options
+        and reducer options; a difference would otherwise surface steps later as a hang or a backend crash."""
+        if self._settings_verified or self.world_size == 1:
+            return
+        with waiting_for(
+            "every rank to compare its settings (first synchronised forward)", self.process_group
+        ):
+            verify_same_settings(self.settings(), self.process_group, self.device)
+        self._settings_verified = True
+
+    def settings(self) -> dict[str, str]:
+        """What must be equal on every rank, as text: reducer options, the comm hook and its options."""
+        settings = {
+            name: repr(getattr(self, name))
+            for name in ("bucket_cap_mb", "first_bucket_cap_mb", "find_unused_parameters",
+                         "gradient_as_bucket_view", "broadcast_buffers")
+        }  # fmt: skip
+        settings["comm_hook"] = (
+            _qualified_name(self.reducer.hook) if self._hook_registered else "None (mean allreduce)"
+        )
+        if self._hook_registered:
+            settings.update(_hook_state_settings(self.reducer.hook_state))
+        return settings
 
     def close(self) -> None:
         """Detach from the wrapped module: remove gradient hooks, stop the communication thread.
@@ -357,6 +394,34 @@ def _validate_hook(hook: Callable) -> None:
             f"lightning_ddpx: communication hook {_describe(hook)} has signature {signature}, but hooks are called "
             "as hook(state, bucket) and must return a torch.futures.Future holding the reduced bucket tensor."
         ) from None
+
+
+# Options of hook states that must agree across ranks, by torch's and our names (PowerSGD, post-local SGD).
+_HOOK_OPTION_NAMES = (
+    "matrix_approximation_rank", "start_powerSGD_iter", "min_compression_rate", "use_error_feedback",
+    "warm_start", "orthogonalization_epsilon", "random_seed", "batch_tensors_with_same_shape",
+    "start_localSGD_iter", "post_local_gradient_allreduce", "period",
+)  # fmt: skip
+
+
+def _hook_state_settings(state: Any) -> dict[str, str]:
+    """The hook state's type and options (from ``state.options`` if it is a dataclass, else known names)."""
+    settings = {"comm_hook state": f"{type(state).__module__}.{type(state).__qualname__}"}
+    options = getattr(state, "options", None)
+    if dataclasses.is_dataclass(options) and not isinstance(options, type):
+        values = dataclasses.asdict(options)
+    else:
+        values = {name: getattr(state, name) for name in _HOOK_OPTION_NAMES if hasattr(state, name)}
+    for name, value in values.items():
+        if isinstance(value, (bool, int, float, str, type(None), tuple, list)):
+            settings[f"comm_hook option {name}"] = repr(value)
+    return settings
+
+
+def _qualified_name(hook: Callable) -> str:
+    name = getattr(hook, "__qualname__", None) or type(hook).__qualname__
+    module = getattr(hook, "__module__", None)
+    return f"{module}.{name}" if module else name
 
 
 def _describe(hook: Callable) -> str:

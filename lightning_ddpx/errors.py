@@ -36,11 +36,12 @@ def describe_failure(what: str, process_group: dist.ProcessGroup | None, error: 
     timeout = process_group_timeout(process_group)
     limit = f"{timeout.total_seconds():.0f} s" if timeout is not None else "the process group's timeout"
     rank = dist.get_rank() if dist.is_initialized() else "?"
+    peer = _peer_description(process_group)
     text = str(error)
     if "Timed out" in text or "timed out" in text or "timeout" in text.lower():
-        cause = f"no peer answered within {limit}: another rank stalled, skipped a backward, is much slower, or the network between ranks is down"
+        cause = f"no peer answered within {limit}: {peer} stalled, skipped a backward, is much slower, or the network between ranks is down"
     elif "closed by peer" in text or "Connection reset" in text or "Broken pipe" in text:
-        cause = "a peer rank exited or crashed (check its log for the first error)"
+        cause = f"{peer} exited or crashed (check its log for the first error)"
     else:
         cause = "the collective failed"
     from lightning_ddpx.diagnosis import peer_report  # imports this module: import late
@@ -52,6 +53,18 @@ def describe_failure(what: str, process_group: dist.ProcessGroup | None, error: 
         + f"Collectives time out after {limit}; to wait longer pass timeout=datetime.timedelta(...) to "
         f"init_process_group or to DDPXStrategy. Underlying error: {text}"
     )
+
+
+def _peer_description(process_group: dist.ProcessGroup | None) -> str:
+    """Which peer failed, as far as this rank can tell without communicating: in a group of two, the other."""
+    try:
+        group = process_group if process_group is not None else dist.group.WORLD
+        if dist.get_world_size(group) == 2:
+            other = 1 - dist.get_rank(group)
+            return f"the other rank (rank {dist.get_global_rank(group, other)})"
+    except Exception:  # noqa: BLE001 - best effort: the group may already be gone
+        pass
+    return "another rank"
 
 
 @contextlib.contextmanager

@@ -36,12 +36,15 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_ddpx import local_replicas, post_local_sgd_setup
 from lightning_ddpx.checkpoint_io import AtomicCheckpointIO
 from lightning_ddpx.checkpoint_state import CHECKPOINT_KEY
 from lightning_ddpx.comm_stats import CommStatsSummary
 from lightning_ddpx.config import CommHookFn, DDPXConfig, DDPXConfigAttributes, register_strategy_names
 from lightning_ddpx.distributed import DistributedDataParallel
-from lightning_ddpx.hooks import PowerSGDOptions
+from lightning_ddpx.hooks import PostLocalSGDOptions, PowerSGDOptions
+from lightning_ddpx.model_averaging import ModelAverager
+from lightning_ddpx.process_exit import destroy_process_group_at_exit
 from lightning_ddpx.uneven import StepInfo, StepQueue, UnevenInputs
 
 __all__ = ["DDPXStrategy", "take_comm_stats"]
@@ -61,6 +64,8 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         comm_state: the state passed to a callable ``comm_hook``. Named hooks build their own, one per model.
         comm_wrapper: ``"fp16"`` or ``"bf16"`` to compress buckets before the hook and decompress after.
         powersgd: options of ``comm_hook="powersgd"``/``"batched_powersgd"`` (``PowerSGDOptions`` or a dict).
+        post_local_sgd, model_averaging_period: post-local SGD as in the Trainer strategy; the parameters
+            of each model with a post-local SGD hook are averaged after ``optimizer.step()`` when due.
         bucket_cap_mb, first_bucket_cap_mb, find_unused_parameters, broadcast_buffers,
             gradient_as_bucket_view: passed to :class:`lightning_ddpx.DistributedDataParallel`.
         uneven_inputs: ``"join"`` (default), ``"error"`` or ``"off"``, as in the Trainer strategy, for the
@@ -79,11 +84,13 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         comm_state: Optional[Any] = None,
         comm_wrapper: Optional[Literal["fp16", "bf16"]] = None,
         powersgd: Optional[Union[PowerSGDOptions, dict[str, Any]]] = None,
+        post_local_sgd: Optional[Union[PostLocalSGDOptions, dict[str, Any]]] = None,
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float = 1.0,
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
         gradient_as_bucket_view: bool = False,
+        model_averaging_period: Optional[int] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -95,6 +102,8 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             comm_state=comm_state,
             comm_wrapper=comm_wrapper,
             powersgd=powersgd,
+            post_local_sgd=post_local_sgd,
+            model_averaging_period=model_averaging_period,
             bucket_cap_mb=bucket_cap_mb,
             first_bucket_cap_mb=first_bucket_cap_mb,
             find_unused_parameters=find_unused_parameters,
@@ -113,6 +122,8 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             start_method=start_method,
         )
         self._backward_sync_control = _DDPXBackwardSyncControl()
+        # post-local SGD: (model, its averager) for each model set up with the hook, averaged after steps
+        self._averaged: list[tuple[DistributedDataParallel, ModelAverager]] = []
         self._uneven_steps = StepQueue(on_push=self._on_batch_fetched)
         self._modules: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
 
@@ -131,6 +142,11 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
 
     # ------------------------------------------------------------------------------------------ setup
     @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # creates the process group
+        destroy_process_group_at_exit()  # so the process exits with its status, never SIGABRT
+
+    @override
     def setup_module(self, module: nn.Module) -> DistributedDataParallel:
         """Wrap ``module`` (already on its device) in our module and register the hook.
 
@@ -141,7 +157,10 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             f"{type(self).__name__}: wrapping in lightning_ddpx.DistributedDataParallel, {self.hook_name}"
         )
         wrapped = self.ddpx_config.wrap(module)
-        self.ddpx_config.register_hook(wrapped)
+        state = self.ddpx_config.register_hook(wrapped)
+        averager = post_local_sgd_setup.averager_for(state, self.model_averaging_period)
+        if averager is not None:
+            self._averaged.append((wrapped, averager))
         self._modules.add(wrapped)
         return wrapped
 
@@ -181,6 +200,16 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         super().backward(tensor, module, *args, **kwargs)
 
     @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """Step; then, for post-local SGD, average the parameters of the optimizer that have a gradient."""
+        output = super().optimizer_step(optimizer, **kwargs)
+        for module, averager in self._averaged:
+            if post_local_sgd_setup.owns_params(module, optimizer):
+                post_local_sgd_setup.check_optimizers([optimizer])
+                post_local_sgd_setup.average_after_step(averager, optimizer)
+        return output
+
+    @override
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
         """The wrapped model's own state dict (no ``module.`` prefix), as Fabric's DDP strategy saves."""
         return super().get_module_state_dict(_unwrap(module))
@@ -213,11 +242,16 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
                     "communication-hook state of the models in the checkpoint. Rename that entry of your state."
                 )
             entries = {
-                key: self.ddpx_config.hook_entry(module.comm_hook_state, module)
+                key: self.ddpx_config.hook_entry(
+                    module.comm_hook_state, module.process_group, module.reducer_state_dict()
+                )
                 for key, module in modules.items()
             }
+            replicas = self._local_replicas(state, modules)
             if self.is_global_zero:
                 state = {**state, CHECKPOINT_KEY: entries}
+                if replicas is not None:
+                    state[local_replicas.REPLICAS_KEY] = replicas
         super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
     @override
@@ -241,7 +275,37 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         for key, module in modules.items():
             entry = entries.get(key) if isinstance(entries, Mapping) else None
             self.ddpx_config.restore_hook_entry(module, module.comm_hook_state, entry)
+        replicas = remainder.pop(local_replicas.REPLICAS_KEY, None)
+        mine = local_replicas.replica_for_rank(
+            replicas, self.global_rank, self.world_size, averaging=bool(self._averaged)
+        )
+        for key, replica in (mine or {}).items():  # post-local SGD: this rank's own weights and optimizer
+            target = state[key] if isinstance(state, Mapping) and key in state else None
+            if isinstance(target, nn.Module):
+                self.load_module_state_dict(target, replica, strict=strict)
+            elif isinstance(target, Optimizer):
+                target.load_state_dict(replica)
         return remainder
+
+    def _local_replicas(
+        self, state: Mapping[str, Any], modules: Mapping[str, DistributedDataParallel]
+    ) -> Optional[list[Any]]:
+        """Post-local SGD: every rank's modules and optimizers of ``state``, on rank 0 (a collective; see
+        :mod:`lightning_ddpx.local_replicas`). ``None`` while the replicas are still identical."""
+        averaged = {id(module): averager for module, averager in self._averaged}
+        if not any(
+            local_replicas.replicas_may_differ(module.comm_hook_state, id(module) in averaged)
+            for module in modules.values()
+        ):
+            return None
+        mine = {
+            key: self.get_module_state_dict(obj)
+            if isinstance(obj, nn.Module)
+            else self.get_optimizer_state(obj)
+            for key, obj in state.items()
+            if isinstance(obj, (nn.Module, Optimizer))
+        }
+        return local_replicas.gather_replicas(mine)
 
     # ------------------------------------------------------------------------------------- registry
     @classmethod

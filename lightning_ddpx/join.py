@@ -11,8 +11,8 @@ buckets, broadcast buffers?), which it cannot know by itself -- a rank with no i
 backward. torch answers one of these questions with a flag allreduce per forward; here one small allreduce
 (:func:`announce`) carries all of them, per rank, so the shadow follows the active ranks exactly:
 
-    active rank:  [notify] -> announce(mine) -> rebuild? -> buffers? -> forward -> buckets -> used-bitmap
-    joined rank:  [count]  -> announce(zeros) -> rebuild? -> buffers? ------------> buckets -> used-bitmap
+    active rank:  [notify] -> announce(mine)  -> verify? -> rebuild? -> buffers? -> forward -> buckets -> bitmap
+    joined rank:  [count]  -> announce(zeros) -> verify? -> rebuild? -> buffers? ------------> buckets -> bitmap
 
 Buckets are reduced by the registered communication hook on zero buffers, so stateful hooks (PowerSGD:
 its P and Q allreduces, its iteration counter) issue the same collectives on every rank. When all ranks
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 __all__ = ["DDPXJoinHook", "JoinRound", "announce", "broadcast_from"]
 
 # Rows of the per-forward announcement; one column per rank.
-_ACTIVE, _SYNC, _REBUILD, _BUFFERS = range(4)
+_ACTIVE, _SYNC, _VERIFY, _REBUILD, _BUFFERS = range(5)
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,7 @@ class JoinRound:
 
     active: tuple[int, ...]  # ranks that still have inputs
     syncing: bool  # this forward's backward reduces gradients (not no_sync, grad enabled)
+    verify: bool  # the ranks compare their settings (their first synchronising forward)
     rebuild_src: int | None  # the rank whose observed gradient order rebuilds the buckets, if any
     buffers_src: int | None  # the rank whose buffers are broadcast before forward, if any
 
@@ -54,6 +55,7 @@ def announce(
     module: DistributedDataParallel,
     active: bool,
     will_sync: bool = False,
+    will_verify: bool = False,
     will_rebuild: bool = False,
     will_broadcast_buffers: bool = False,
 ) -> JoinRound:
@@ -62,10 +64,11 @@ def announce(
     A joined rank calls it with ``active=False``: it contributes nothing and learns what to shadow.
     """
     world_size, rank = module.world_size, module.rank
-    flags = torch.zeros(4, world_size, dtype=torch.int32, device=module.device)
+    flags = torch.zeros(5, world_size, dtype=torch.int32, device=module.device)
     if active:
         flags[_ACTIVE, rank] = 1
         flags[_SYNC, rank] = int(will_sync)
+        flags[_VERIFY, rank] = int(will_verify)
         flags[_REBUILD, rank] = int(will_rebuild)
         flags[_BUFFERS, rank] = int(will_broadcast_buffers)
     with waiting_for(
@@ -78,6 +81,7 @@ def announce(
     return JoinRound(
         active=ranks,
         syncing=any(rows[_SYNC]),
+        verify=any(rows[_VERIFY]),
         rebuild_src=min(rebuilders) if rebuilders else None,
         # torch's choice: the highest rank that has not joined holds the freshest buffers
         buffers_src=max(ranks) if any(rows[_BUFFERS]) and ranks else None,
@@ -96,6 +100,9 @@ class DDPXJoinHook(JoinHook):
         module = self.module
         reducer = module.reducer
         round_ = announce(module, active=False)
+        if round_.verify:  # the others' first synchronising forward compares every rank's settings
+            module._settings_verified = False
+            module._verify_settings_once()
         if round_.rebuild_src is not None:
             reducer.rebuild_buckets_from(round_.rebuild_src)
         if round_.buffers_src is not None:

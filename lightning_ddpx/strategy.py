@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Generator, Literal, Optional, Union
+from typing import Any, Callable, Generator, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -35,15 +35,19 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch import Tensor
+from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_ddpx import checkpoint_state
+from lightning_ddpx import checkpoint_state, local_replicas, post_local_sgd_setup
 from lightning_ddpx.checkpoint_io import AtomicCheckpointIO
 from lightning_ddpx.compile import apply_lightning_compile
 from lightning_ddpx.config import CommHookFn, DDPXConfig, DDPXConfigAttributes, register_strategy_names
 from lightning_ddpx.consistency import broadcast_from_rank0
 from lightning_ddpx.distributed import DistributedDataParallel
-from lightning_ddpx.hooks import PowerSGDOptions
+from lightning_ddpx.errors import waiting_for
+from lightning_ddpx.hooks import PostLocalSGDOptions, PowerSGDOptions
+from lightning_ddpx.model_averaging import ModelAverager
+from lightning_ddpx.process_exit import destroy_process_group_at_exit
 from lightning_ddpx.uneven import StepQueue, UnevenInputs
 
 __all__ = ["DDPXStrategy"]
@@ -67,6 +71,11 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             (e.g. ``comm_hook="powersgd", comm_wrapper="fp16"``).
         powersgd: PowerSGD options for ``comm_hook="powersgd"``/``"batched_powersgd"``, as a
             ``PowerSGDOptions`` or a dict of its fields (``{"matrix_approximation_rank": 4}``).
+        post_local_sgd: options of ``comm_hook="post_local_sgd"`` (``PostLocalSGDOptions`` or a dict:
+            ``start_localSGD_iter``, ``period``, ``subgroup``, ``hierarchy``, ``post_local_gradient_allreduce``).
+        model_averaging_period: Lightning's: with post-local SGD (the named hook, or torch's or our
+            ``PostLocalSGDState`` as ``comm_state``), average the parameters every N optimizer steps after
+            ``start_localSGD_iter``. See ``docs/hooks.md`` (post-local SGD).
         bucket_cap_mb, first_bucket_cap_mb, find_unused_parameters, broadcast_buffers,
             gradient_as_bucket_view: passed to :class:`lightning_ddpx.DistributedDataParallel`.
         comm_stats_every_n_steps: log communication statistics (bytes to the hook and sent, compression
@@ -96,11 +105,13 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         comm_state: Optional[Any] = None,
         comm_wrapper: Optional[Literal["fp16", "bf16"]] = None,
         powersgd: Optional[Union[PowerSGDOptions, dict[str, Any]]] = None,
+        post_local_sgd: Optional[Union[PostLocalSGDOptions, dict[str, Any]]] = None,
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float = 1.0,
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
         gradient_as_bucket_view: bool = False,
+        model_averaging_period: Optional[int] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -114,6 +125,8 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             comm_state=comm_state,
             comm_wrapper=comm_wrapper,
             powersgd=powersgd,
+            post_local_sgd=post_local_sgd,
+            model_averaging_period=model_averaging_period,
             bucket_cap_mb=bucket_cap_mb,
             first_bucket_cap_mb=first_bucket_cap_mb,
             find_unused_parameters=find_unused_parameters,
@@ -136,11 +149,14 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         self._forward_redirection = _ForwardRedirection()
         self._hook_state: Any = None  # the state registered with the module (built or given)
         self._hook_registered = False  # a module was set up with the hook: there is state worth saving
+        self._final_bucket_layout: Optional[dict[str, Any]] = None  # the last module's, kept at teardown
         # (entry,) once load_checkpoint ran -- entry is None for a checkpoint without hook state -- until the
         # hook exists; None when no checkpoint was loaded since the last setup. A tuple, not a sentinel
         # object, so the strategy survives pickling (ddpx_spawn).
         self._pending_hook_entry: tuple[Any] | None = None
         self._sync_blocked = 0  # depth of block_backward_sync(); read by manual optimisation
+        self._averager: Optional[ModelAverager] = None  # post-local SGD: averages after optimizer_step
+        self._pending_replica: Optional[dict[str, Any]] = None  # this rank's weights from a checkpoint
         self.comm_stats_every_n_steps = comm_stats_every_n_steps
         self._uneven_steps = StepQueue()  # what the ranks agreed for each fetched training batch
 
@@ -168,6 +184,11 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
 
     # ------------------------------------------------------------------------------------------ setup
     @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # creates the process group
+        destroy_process_group_at_exit()  # so the process exits with its status, never SIGABRT
+
+    @override
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
@@ -182,13 +203,38 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         else:
             # Evaluation needs no gradient reducer, but every rank must hold rank 0's weights, as in training.
             module = self.model
-            broadcast_from_rank0(
-                [p.detach() for p in module.parameters()] + list(module.buffers()), dist.group.WORLD
-            )
+            with waiting_for(f"rank 0's weights before {trainer.state.fn.value}", dist.group.WORLD):
+                broadcast_from_rank0(
+                    [p.detach() for p in module.parameters()] + list(module.buffers()), dist.group.WORLD
+                )
         self._pending_hook_entry = None  # a checkpoint loaded for evaluation must not leak into a later fit
+        self._pending_replica = None
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+            self._enable_model_averaging()
+
+    @override
+    def _enable_model_averaging(self) -> None:
+        """Average after each optimizer step when the hook is post-local SGD (as Lightning's DDPStrategy)."""
+        self._averager = post_local_sgd_setup.averager_for(self._hook_state, self.model_averaging_period)
+        if self._averager is not None:
+            log.debug(f"{type(self).__name__}: post-local SGD, averaging with {self._averager!r}")
+            post_local_sgd_setup.check_optimizers(self.optimizers)
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union[LightningModule, torch.nn.Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Step, then (post-local SGD) average the optimizer's parameters that have a gradient when due."""
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._averager is not None:
+            post_local_sgd_setup.average_after_step(self._averager, optimizer)
+        return output
 
     @override
     def configure_ddp(self) -> None:
@@ -199,6 +245,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         self.model = self._setup_model(self.model)
         self._register_ddp_hooks()
         self._restore_hook_state()
+        self._restore_local_replica()  # after the wrap, which broadcasts rank 0's weights
         apply_lightning_compile(self.model)  # torch.compile(module): split at bucket boundaries
 
     @override
@@ -319,10 +366,16 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         Also after ``fit`` (``trainer.save_checkpoint`` once training ended): the state outlives the module.
         Weights-only checkpoints (no optimizer states) stay weights only.
         """
+        if self._averager is not None and "optimizer_states" in checkpoint and dist.is_initialized():
+            self._add_local_replicas(checkpoint)
         if self._hook_registered and "optimizer_states" in checkpoint and dist.is_initialized():
-            # After fit the module is unwrapped: the hook state outlives it, the bucket layout does not.
-            module = self.model if isinstance(self.model, DistributedDataParallel) else None
-            entry = self.ddpx_config.hook_entry(self._hook_state, module, dist.group.WORLD)
+            # After fit the module is unwrapped; the hook state and the bucket layout it is keyed by were kept
+            # at teardown, so a checkpoint saved then resumes exactly too.
+            if isinstance(self.model, DistributedDataParallel):
+                layout = self.model.reducer_state_dict()
+            else:
+                layout = self._final_bucket_layout
+            entry = self.ddpx_config.hook_entry(self._hook_state, dist.group.WORLD, layout)
             if entry is not None:
                 checkpoint[checkpoint_state.CHECKPOINT_KEY] = entry
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -331,10 +384,41 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Load as usual; keep the hook entry until the hook exists (``setup`` runs after loading)."""
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._take_local_replica(checkpoint)
         self._pending_hook_entry = (checkpoint.get(checkpoint_state.CHECKPOINT_KEY),)
         if isinstance(self.model, DistributedDataParallel):  # already set up: apply now
             self._restore_hook_state()
         return checkpoint
+
+    def _add_local_replicas(self, checkpoint: dict[str, Any]) -> None:
+        """Post-local SGD: every rank's weights and optimizer state (see :mod:`lightning_ddpx.local_replicas`)."""
+        if not local_replicas.replicas_may_differ(self._hook_state, averaging=True):
+            return
+        mine = {"state_dict": checkpoint["state_dict"], "optimizer_states": checkpoint["optimizer_states"]}
+        replicas = local_replicas.gather_replicas(mine, dist.group.WORLD)
+        if replicas is not None:
+            checkpoint[local_replicas.REPLICAS_KEY] = replicas
+
+    def _take_local_replica(self, checkpoint: dict[str, Any]) -> None:
+        """This rank's own optimizer state replaces rank 0's in ``checkpoint`` (Lightning loads it after
+        setup); its weights wait for the module to be wrapped."""
+        averaging = post_local_sgd_setup.is_configured(self.post_local_sgd, self.comm_state)
+        mine = local_replicas.replica_for_rank(
+            checkpoint.pop(local_replicas.REPLICAS_KEY, None), self.global_rank, self.world_size, averaging
+        )
+        self._pending_replica = mine
+        if mine is None:
+            return
+        checkpoint["optimizer_states"] = mine["optimizer_states"]
+        if isinstance(self.model, DistributedDataParallel):  # already set up: apply now
+            self._restore_local_replica()
+
+    def _restore_local_replica(self) -> None:
+        mine, self._pending_replica = self._pending_replica, None
+        if mine is not None and self.lightning_module is not None:
+            self.lightning_module.load_state_dict(
+                mine["state_dict"], strict=self.lightning_module.strict_loading
+            )
 
     def _restore_hook_state(self) -> None:
         pending, self._pending_hook_entry = self._pending_hook_entry, None
@@ -355,6 +439,9 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         log.debug(f"{type(self).__name__}: tearing down")
         pl_module = self.lightning_module
         if isinstance(self.model, DistributedDataParallel):
+            self._final_bucket_layout = (
+                self.model.reducer_state_dict()
+            )  # for trainer.save_checkpoint after fit
             _remove_gradient_hooks(self.model)
             self.model = pl_module  # unwrap
         if (

@@ -216,7 +216,7 @@ def saved_entry(world_size: int = 1, hook: str | None = None) -> dict[str, Any]:
     for step in range(4):
         loss_of(module, step).backward()
     assert state.shared.q and state.per_rank.error  # memory exists, so corrupting it means something
-    entry = config.hook_entry(state, module)
+    entry = config.hook_entry(state, module.process_group, module.reducer_state_dict())
     module.close()
     assert entry is not None
     entry["world_size"], entry["per_rank"] = world_size, entry["per_rank"] * world_size

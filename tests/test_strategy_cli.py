@@ -49,6 +49,21 @@ def test_yaml_config_trains_on_two_processes(tmp_path):
 
 
 @pytest.mark.slow
+def test_post_local_sgd_yaml_trains_and_checkpoints_its_counters(tmp_path):
+    config = REPO_ROOT / "examples" / "configs" / "post_local_sgd.yaml"
+    checkpoint = run_cli(
+        ["--config", str(config), "--trainer.strategy.post_local_sgd.start_localSGD_iter=2"], tmp_path
+    )
+    saved = torch.load(checkpoint, weights_only=True)
+    entry = saved["lightning_ddpx"]
+    assert entry["hook"] == "post_local_sgd" and entry["world_size"] == 2
+    assert (entry["shared"]["iter"], entry["shared"]["averager_step"]) == (2, 6)
+    assert saved["lightning_ddpx_replicas"][0] is None and saved["lightning_ddpx_replicas"][1] is not None
+    config_saved = (tmp_path / "lightning_logs" / "version_0" / "config.yaml").read_text()
+    assert "comm_hook: post_local_sgd" in config_saved and "model_averaging_period: 4" in config_saved
+
+
+@pytest.mark.slow
 def test_command_line_flags_train_on_two_processes(tmp_path):
     flags = [
         "--trainer.accelerator=cpu",
@@ -92,6 +107,10 @@ def test_every_shipped_config_builds_its_strategy(config, cli_train, monkeypatch
     assert strategy.hook_name == {"fp16_powersgd": "fp16(powersgd)"}.get(config.stem, config.stem)
     if "powersgd" in config.stem:
         assert strategy.powersgd.matrix_approximation_rank == 4
+    if config.stem == "post_local_sgd":
+        assert strategy.model_averaging_period == 4
+        assert (strategy.post_local_sgd.start_localSGD_iter, strategy.post_local_sgd.subgroup) == (20, 1)
+        assert strategy.post_local_sgd.period == 4  # model_averaging_period, filled in
 
 
 @pytest.mark.slow

@@ -11,12 +11,15 @@ from lightning_ddpx.hooks.default import (
     fp16_compress_wrapper,
     noop_hook,
 )
+from lightning_ddpx.hooks.post_local_sgd import PostLocalSGDOptions, PostLocalSGDState, post_local_sgd_hook
 from lightning_ddpx.hooks.powersgd import batched_powersgd_hook, powersgd_hook
 from lightning_ddpx.hooks.powersgd_state import CompressionStats, PowerSGDOptions, PowerSGDState
 from lightning_ddpx.hooks.registry import available_hooks, build_comm_hook, register_hook_name
 
 __all__ = [
     "CompressionStats",
+    "PostLocalSGDOptions",
+    "PostLocalSGDState",
     "PowerSGDOptions",
     "PowerSGDState",
     "allreduce_hook",
@@ -28,6 +31,7 @@ __all__ = [
     "fp16_compress_hook",
     "fp16_compress_wrapper",
     "noop_hook",
+    "post_local_sgd_hook",
     "powersgd_hook",
     "register_hook_name",
 ]

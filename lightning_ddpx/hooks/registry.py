@@ -21,6 +21,7 @@ from lightning_ddpx.hooks.default import (
     fp16_compress_wrapper,
     noop_hook,
 )
+from lightning_ddpx.hooks.post_local_sgd import PostLocalSGDOptions, PostLocalSGDState, post_local_sgd_hook
 from lightning_ddpx.hooks.powersgd import batched_powersgd_hook, powersgd_hook
 from lightning_ddpx.hooks.powersgd_state import PowerSGDOptions, PowerSGDState
 
@@ -30,9 +31,7 @@ __all__ = ["HookFactory", "available_hooks", "build_comm_hook", "register_hook_n
 class HookFactory(Protocol):
     """Builds ``(state, hook)`` for a registered name."""
 
-    def __call__(
-        self, process_group: dist.ProcessGroup | None, options: PowerSGDOptions | None
-    ) -> tuple[Any, CommHook]: ...
+    def __call__(self, process_group: dist.ProcessGroup | None, options: Any) -> tuple[Any, CommHook]: ...
 
 
 def _stateless(hook: CommHook, name: str) -> HookFactory:
@@ -53,9 +52,17 @@ def _powersgd(hook: CommHook) -> HookFactory:
     def factory(
         process_group: dist.ProcessGroup | None, options: PowerSGDOptions | None
     ) -> tuple[Any, CommHook]:
+        if options is not None and not isinstance(options, PowerSGDOptions):
+            raise TypeError(f"PowerSGD hooks take powersgd= options, got {type(options).__name__}")
         return PowerSGDState.from_options(options, process_group), hook
 
     return factory
+
+
+def _post_local_sgd(process_group: dist.ProcessGroup | None, options: Any) -> tuple[Any, CommHook]:
+    if options is not None and not isinstance(options, PostLocalSGDOptions):
+        raise TypeError(f"hook 'post_local_sgd' takes post_local_sgd= options, got {type(options).__name__}")
+    return PostLocalSGDState.from_options(options, process_group), post_local_sgd_hook
 
 
 _BUILTIN: dict[str, HookFactory] = {
@@ -65,6 +72,7 @@ _BUILTIN: dict[str, HookFactory] = {
     "powersgd": _powersgd(powersgd_hook),
     "batched_powersgd": _powersgd(batched_powersgd_hook),
     "noop": _stateless(noop_hook, "noop"),
+    "post_local_sgd": _post_local_sgd,
 }
 _REGISTRY: dict[str, HookFactory] = dict(_BUILTIN)
 _WRAPPERS: dict[str, Callable[[CommHook], CommHook]] = {
@@ -84,6 +92,7 @@ def build_comm_hook(
     process_group: dist.ProcessGroup | None = None,
     powersgd: PowerSGDOptions | dict[str, Any] | None = None,
     wrapper: str | None = None,
+    post_local_sgd: PostLocalSGDOptions | dict[str, Any] | None = None,
 ) -> tuple[Any, CommHook]:
     """``(state, hook)`` for ``model.register_comm_hook(state, hook)``.
 
@@ -104,7 +113,18 @@ def build_comm_hook(
         raise TypeError(
             f"powersgd must be a PowerSGDOptions, a dict of its fields or None, got {type(powersgd).__name__}"
         )
-    state, hook = factory(process_group, powersgd)
+    if isinstance(post_local_sgd, dict):
+        post_local_sgd = PostLocalSGDOptions.from_dict(post_local_sgd)
+    elif post_local_sgd is not None and not isinstance(post_local_sgd, PostLocalSGDOptions):
+        raise TypeError(
+            "post_local_sgd must be a PostLocalSGDOptions, a dict of its fields or None, got "
+            f"{type(post_local_sgd).__name__}"
+        )
+    if post_local_sgd is not None and name in _BUILTIN and name != "post_local_sgd":
+        raise ValueError(
+            f"hook {name!r} takes no post_local_sgd options; drop `post_local_sgd=` or choose 'post_local_sgd'."
+        )
+    state, hook = factory(process_group, powersgd if powersgd is not None else post_local_sgd)
     if wrapper is not None:
         hook = _WRAPPERS[wrapper](hook)
     if dist.is_available() and dist.is_initialized():

@@ -1,0 +1,239 @@
+"""Periodic model averaging after the optimizer step: the second half of post-local SGD.
+
+After ``start_localSGD_iter`` steps the post-local SGD hook (:mod:`lightning_ddpx.hooks.post_local_sgd`)
+stops averaging gradients across the whole group; the replicas then drift apart and an averager pulls them
+back together every ``period`` optimizer steps by averaging the parameters themselves. Semantics are
+torch's (``torch.distributed.algorithms.model_averaging``):
+
+- :class:`PeriodicModelAverager`: at step ``s`` (counted by calls to :meth:`average_parameters`, i.e. one
+  per optimizer step), average when ``s >= warmup_steps`` and ``(s - warmup_steps) % period == 0``;
+- :class:`HierarchicalModelAverager`: ``{period: group_size}``; at step ``s >= warmup_steps`` average in
+  groups of the size belonging to the largest period dividing ``s`` (note: ``s``, not ``s - warmup``).
+
+Only parameters with a gradient are averaged (as torch does: a frozen or unused parameter stays local).
+Unlike torch, parameters are updated in place (``copy_``), so optimizer state, gradient bucket views and
+anything else holding the parameter's storage keep seeing it. The step counter is the averager's only state:
+``state_dict() == {"step": n}``, plain values for ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import numbers
+import warnings
+from typing import Any, Iterable, Mapping, Union
+
+import torch
+import torch.distributed as dist
+
+from lightning_ddpx.errors import waiting_for
+
+__all__ = [
+    "HierarchicalModelAverager",
+    "ModelAverager",
+    "PeriodicModelAverager",
+    "average_parameters",
+    "params_to_average",
+]
+
+ParamsOrGroups = Iterable[Union[torch.Tensor, Mapping[str, Any]]]
+
+
+def params_to_average(params: ParamsOrGroups) -> list[torch.Tensor]:
+    """The parameters (from ``model.parameters()`` or ``optimizer.param_groups``) that have a gradient."""
+    selected: list[torch.Tensor] = []
+    for item in params:
+        if isinstance(item, torch.Tensor):
+            candidates: Iterable[Any] = (item,)
+        elif isinstance(item, Mapping) and "params" in item:
+            candidates = item["params"]
+        else:
+            raise TypeError(
+                "average_parameters takes parameters (model.parameters()) or parameter groups "
+                f"(optimizer.param_groups), got an element of type {type(item).__name__}."
+            )
+        selected.extend(p for p in candidates if p.grad is not None)
+    return selected
+
+
+def average_parameters(params: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:
+    """Replace each parameter by its mean over ``group`` (one allreduce per dtype and device), in place.
+
+    As torch: flatten, divide by the group size, sum-allreduce, copy back. A rank outside ``group`` does
+    nothing. Every rank of ``group`` must pass parameters of the same shapes in the same order.
+    """
+    group = group if group is not None else dist.group.WORLD
+    if group is None or dist._rank_not_in_group(group):
+        return
+    size = dist.get_world_size(group)
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for p in params:
+        by_kind.setdefault((p.dtype, p.device), []).append(p)
+    with torch.no_grad():
+        for same_kind in by_kind.values():
+            flat = torch.cat([p.detach().reshape(-1) for p in same_kind])
+            flat.div_(size)
+            with waiting_for("every rank's parameters to average (post-local SGD model averaging)", group):
+                dist.all_reduce(flat, group=group)
+            offset = 0
+            for p in same_kind:
+                p.detach().copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+
+def _check_count(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"model averaging: {name} must be an integer, got {value!r}.")
+    if value < minimum:
+        raise ValueError(f"model averaging: {name} must be >= {minimum}, got {value}.")
+
+
+def _warn_period_one() -> None:
+    warnings.warn(
+        "model averaging with period 1 averages parameters after every step, which costs at least as much "
+        "as averaging gradients: plain DDP (no post-local SGD) is cheaper. Use a period > 1.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+class ModelAverager:
+    """Counts optimizer steps and averages parameters when due; subclasses say when and over which group."""
+
+    def __init__(self, warmup_steps: int = 0, process_group: dist.ProcessGroup | None = None) -> None:
+        _check_count("warmup_steps", warmup_steps, 0)
+        self.warmup_steps = int(warmup_steps)
+        self.process_group = process_group
+        self.step = 0
+
+    def group_due(self) -> dist.ProcessGroup | None | bool:
+        """The group to average over at the current step, or ``False`` if none is due."""
+        raise NotImplementedError
+
+    def average_parameters(self, params: ParamsOrGroups) -> bool:
+        """Call once after every ``optimizer.step()``; averages ``params`` when due. Returns whether it did."""
+        group = self.group_due()
+        if group is not False:
+            average_parameters(params_to_average(params), group)  # type: ignore[arg-type]
+        self.step += 1
+        return group is not False
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        step = state_dict.get("step") if isinstance(state_dict, Mapping) else None
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict expects {{'step': n}} with n >= 0 as returned by "
+                f"state_dict(), got {state_dict!r}."
+            )
+        self.step = int(step)
+
+
+class PeriodicModelAverager(ModelAverager):
+    """Average over ``process_group`` (``None``: the default group) every ``period`` steps after warm-up.
+
+    ``warmup_steps`` should equal the hook's ``start_localSGD_iter``: before it gradients are averaged
+    globally, so the replicas are identical and averaging them would only cost time.
+    """
+
+    def __init__(
+        self, period: int, warmup_steps: int = 0, process_group: dist.ProcessGroup | None = None
+    ) -> None:
+        _check_count("period", period, 1)
+        super().__init__(warmup_steps, process_group)
+        if period == 1:
+            _warn_period_one()
+        self.period = int(period)
+
+    def group_due(self) -> dist.ProcessGroup | None | bool:
+        due = self.step >= self.warmup_steps and (self.step - self.warmup_steps) % self.period == 0
+        return self.process_group if due else False
+
+    def __repr__(self) -> str:
+        return (
+            f"PeriodicModelAverager(period={self.period}, warmup_steps={self.warmup_steps}, step={self.step})"
+        )
+
+
+class HierarchicalModelAverager(ModelAverager):
+    """Average in nested groups at several periods: ``{2: 2, 8: 4}`` on 4 ranks averages pairs every 2
+    steps and all four every 8 (only the largest due period runs at a step).
+
+    ``groups`` maps each period to its process group (this rank's subgroup of that size); build it with
+    :func:`hierarchy_groups`. Periods must increase and the last group must be the whole ``process_group``.
+    """
+
+    def __init__(
+        self,
+        groups: Mapping[int, dist.ProcessGroup | None],
+        warmup_steps: int = 0,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if not groups:
+            raise ValueError(
+                "HierarchicalModelAverager: the hierarchy {period: group_size} must not be empty."
+            )
+        super().__init__(warmup_steps, process_group)
+        for period in groups:
+            _check_count("a hierarchy period", period, 1)
+        self.periods = list(groups)
+        self.groups = dict(groups)
+        if max(self.periods) == 1:
+            _warn_period_one()
+
+    def group_due(self) -> dist.ProcessGroup | None | bool:
+        if self.step < self.warmup_steps:
+            return False
+        for period in reversed(self.periods):
+            if self.step % period == 0:
+                return self.groups[period]
+        return False
+
+    def __repr__(self) -> str:
+        return f"HierarchicalModelAverager(periods={self.periods}, warmup_steps={self.warmup_steps}, step={self.step})"
+
+
+def check_hierarchy(hierarchy: Mapping[int, int], world_size: int | None = None) -> None:
+    """Validate ``{period: group_size}`` (no process group needed; ``world_size`` once it is known)."""
+    if not isinstance(hierarchy, Mapping) or not hierarchy:
+        raise ValueError(
+            f"post_local_sgd option hierarchy must be a non-empty mapping {{period: group_size}}, got {hierarchy!r}."
+        )
+    periods, sizes = list(hierarchy), list(hierarchy.values())
+    for period, size in hierarchy.items():
+        _check_count("a hierarchy period", period, 1)
+        _check_count("a hierarchy group size", size, 1)
+    if periods != sorted(set(periods)) or sizes != sorted(sizes):
+        raise ValueError(
+            f"post_local_sgd option hierarchy={dict(hierarchy)!r}: periods must increase, and group sizes must not "
+            "decrease with them (larger groups average less often), e.g. {2: 2, 8: 4}."
+        )
+    if world_size is not None:
+        if sizes[-1] != world_size:
+            raise ValueError(
+                f"post_local_sgd option hierarchy={dict(hierarchy)!r}: the last group size must be the size of "
+                f"the whole process group ({world_size}), so that every replica is averaged eventually."
+            )
+        bad = [size for size in sizes if world_size % size]
+        if bad:
+            raise ValueError(
+                f"post_local_sgd option hierarchy={dict(hierarchy)!r}: group sizes {bad} do not divide the "
+                f"process group's size {world_size}; choose divisors of {world_size}."
+            )
+
+
+def hierarchy_groups(
+    hierarchy: Mapping[int, int], process_group: dist.ProcessGroup | None = None
+) -> dict[int, dist.ProcessGroup | None]:
+    """``{period: this rank's group of that size}``: consecutive ranks of ``process_group``. A collective
+    (every rank of the default group creates every subgroup); the whole-group size maps to ``process_group``."""
+    world_size = dist.get_world_size(process_group)
+    check_hierarchy(hierarchy, world_size)
+    groups: dict[int, dist.ProcessGroup | None] = {}
+    for period, size in hierarchy.items():
+        if size == world_size:
+            groups[period] = process_group
+        else:
+            groups[period], _ = dist.new_subgroups(group_size=size, group=process_group)
+    return groups
