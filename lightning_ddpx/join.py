@@ -64,6 +64,9 @@ def announce(
     A joined rank calls it with ``active=False``: it contributes nothing and learns what to shadow.
     """
     world_size, rank = module.world_size, module.rank
+    module.reducer.progress.record(
+        "the join() announcement before a forward" + ("" if active else " (shadowing)")
+    )
     flags = torch.zeros(5, world_size, dtype=torch.int32, device=module.device)
     if active:
         flags[_ACTIVE, rank] = 1

@@ -55,7 +55,9 @@ class StepInfo:
     """What the ranks agreed for one batch."""
 
     replay: bool  # this rank has no batch left: it replays one with a zero-weighted backward
-    authority: int  # the highest rank with a real batch: buffers are broadcast from it
+    # The lowest rank with a real batch: buffers are broadcast from it. Rank 0 whenever it has a batch, as
+    # without uneven inputs, so the buffers rank 0 writes into a checkpoint are the ones a resume broadcasts.
+    authority: int
 
 
 def check_uneven_inputs(value: Any) -> str:
@@ -203,7 +205,7 @@ class LockstepLoader:
             if has_batch:
                 served += 1
                 replay[:] = [batch]
-            self.steps.push(StepInfo(replay=not has_batch, authority=max(active)))
+            self.steps.push(StepInfo(replay=not has_batch, authority=min(active)))
             # The next batch's flags travel while this step trains: the allreduce's latency is hidden.
             pending = self._start_exchange(iterator, served, has_replay=bool(replay))
             yield batch if has_batch else replay[0]
