@@ -455,7 +455,10 @@ class Reducer:
     def _result_of(self, b: int) -> torch.Tensor:
         future = self._futures[b]
         assert future is not None, f"bucket {b} was never launched"
-        what = f"bucket {b} (parameters {self._bucket_names(b)}) to be reduced by {_hook_name(self.hook)}"
+        what = (
+            f"bucket {b} (parameters {self._bucket_names(b)}) of iteration {self.iterations_synced + 1} to be "
+            f"reduced by {_hook_name(self.hook)}"
+        )
         try:
             with waiting_for(what, self.process_group):
                 value = future.wait()

@@ -79,6 +79,8 @@ def test_timeout_error_reports_what_the_other_rank_last_did() -> None:
     message = results[0]
     assert message.startswith("CommunicationError"), message
     assert "no peer answered within 3 s" in message and "while waiting for bucket 0" in message, message
+    # what rank 0 waits for: bucket, iteration, hook
+    assert "of iteration 3 to be reduced by" in message, message
     assert "Other ranks, last started: rank 1: bucket" in message and "in iteration 2" in message, message
     assert "not failed since" in message, message
     assert results[1] == "stalled"
