@@ -82,20 +82,23 @@ class UnevenManual(UnevenRegressor):
         optimizer.step()
 
 
-def oracle(counts: list[int], epochs: int) -> dict[str, torch.Tensor]:
+def oracle(counts: list[int], epochs: int, accumulate: int = 1) -> dict[str, torch.Tensor]:
     seed_everything(0, verbose=False)
     model = TinyRegressor()
     optimizer = model.configure_optimizers()
     data = [rank_batches(r, n) for r, n in enumerate(counts)]
     for _ in range(epochs):
-        for k in range(max(counts)):
+        for first in range(0, max(counts), accumulate):
             optimizer.zero_grad()
-            losses = [
-                nn.functional.mse_loss(model(x[k * BATCH : (k + 1) * BATCH]), y[k * BATCH : (k + 1) * BATCH])
-                for (x, y), n in zip(data, counts)
-                if k < n
-            ]
-            (sum(losses) / len(counts)).backward()
+            for k in range(first, min(first + accumulate, max(counts))):
+                losses = [
+                    nn.functional.mse_loss(
+                        model(x[k * BATCH : (k + 1) * BATCH]), y[k * BATCH : (k + 1) * BATCH]
+                    )
+                    for (x, y), n in zip(data, counts)
+                    if k < n
+                ]
+                (sum(losses) / len(counts) / accumulate).backward()
             optimizer.step()
     return parameters_of(model)
 
@@ -127,6 +130,8 @@ def trainer_job(rank: int, world_size: int, directory: str) -> dict[str, Any]:
         out[f"iterable={iterable}"] = (trainer.global_step, parameters_of(model))
     trainer, model = _fit(world_size, manual=True)
     out["manual"] = (trainer.global_step, parameters_of(model))
+    trainer, model = _fit(world_size, accumulate_grad_batches=2)  # replays inside no_sync windows too
+    out["accumulate"] = (trainer.global_step, parameters_of(model))
     try:
         _fit(world_size, uneven_inputs="error")
         out["error"] = "no error"
