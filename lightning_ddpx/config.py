@@ -69,6 +69,10 @@ class DDPXConfig:
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True
     gradient_as_bucket_view: bool = False
+    # torch's static_graph: record used parameters in the first iteration, no graph walk afterwards.
+    static_graph: bool = False
+    # torch's init_sync: check the model across ranks and broadcast rank 0's state at construction.
+    init_sync: bool = True
     # Ranks with different numbers of training batches: "join" (replay with zero weight until all are done),
     # "error" (raise naming each rank's batch count) or "off" (Lightning's ddp: a hang). See uneven-inputs.md.
     uneven_inputs: UnevenInputs = "join"
@@ -117,6 +121,8 @@ class DDPXConfig:
             find_unused_parameters=self.find_unused_parameters,
             broadcast_buffers=self.broadcast_buffers,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
+            static_graph=self.static_graph,
+            init_sync=self.init_sync,
         )
 
     def wrap_training_loader(
@@ -218,6 +224,8 @@ class DDPXConfigAttributes:
     find_unused_parameters = _ConfigOption()
     broadcast_buffers = _ConfigOption()
     gradient_as_bucket_view = _ConfigOption()
+    static_graph = _ConfigOption()
+    init_sync = _ConfigOption()
     uneven_inputs = _ConfigOption()
     hook_name = _ConfigOption()
 

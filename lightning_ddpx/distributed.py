@@ -42,6 +42,13 @@ class DistributedDataParallel(nn.Module, Joinable):
         broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to all ranks before forward.
         gradient_as_bucket_view: make ``param.grad`` views into the bucket buffers, saving one copy of the
             gradients in memory and a copy per parameter in each step.
+        static_graph: torch's meaning: the set of parameters used (and how often each gets a gradient) is the
+            same every iteration. The first synchronised iteration records it; later ones mark unused
+            parameters without walking the autograd graph, and support activation checkpointing (reentrant
+            or not) and parameters whose gradient arrives more than once per backward.
+        init_sync: check that every rank holds the same parameter shapes and broadcast rank 0's parameters
+            and buffers at construction. ``False`` (torch's meaning): skip both; the ranks must already
+            hold the same weights.
     """
 
     def __init__(
@@ -53,6 +60,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
         gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        init_sync: bool = True,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)  # nn.Module does not chain __init__; the join config starts disabled
@@ -70,6 +79,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
         self.bucket_cap_mb = bucket_cap_mb
         self.first_bucket_cap_mb = first_bucket_cap_mb
         self.require_backward_grad_sync = True
@@ -80,10 +90,14 @@ class DistributedDataParallel(nn.Module, Joinable):
 
         named = list(module.named_parameters())
         self.device = _single_device(named)
-        with waiting_for("every rank to describe its model (construction)", self.process_group):
-            verify_same_parameters(named, self.process_group, self.device)
-        with waiting_for("rank 0's parameters and buffers (construction)", self.process_group):
-            broadcast_from_rank0([p.detach() for _, p in named] + list(module.buffers()), self.process_group)
+        _check_sync_batchnorm(module, self.device)
+        if init_sync:
+            with waiting_for("every rank to describe its model (construction)", self.process_group):
+                verify_same_parameters(named, self.process_group, self.device)
+            with waiting_for("rank 0's parameters and buffers (construction)", self.process_group):
+                broadcast_from_rank0(
+                    [p.detach() for _, p in named] + list(module.buffers()), self.process_group
+                )
         trainable = [(name, p) for name, p in named if p.requires_grad]
         if not trainable:
             raise ValueError(
@@ -98,6 +112,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             cap_bytes=megabytes_to_bytes(bucket_cap_mb),
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
         )
         self._hook_registered = False
         self._settings_verified = False  # at the first synchronising forward, once the hook is registered
@@ -138,6 +153,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             will_verify=will_sync and not self._settings_verified and self.world_size > 1,
             will_rebuild=will_sync and self.reducer.rebuild_pending,
             will_broadcast_buffers=sync_buffers,
+            will_share_bitmap=will_sync and self.reducer.shares_used_bitmap,
         )
         if work is not None:
             work.wait()
@@ -197,7 +213,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         settings = {
             name: repr(getattr(self, name))
             for name in ("bucket_cap_mb", "first_bucket_cap_mb", "find_unused_parameters",
-                         "gradient_as_bucket_view", "broadcast_buffers")
+                         "gradient_as_bucket_view", "broadcast_buffers", "static_graph")
         }  # fmt: skip
         settings["comm_hook"] = (
             _qualified_name(self.reducer.hook) if self._hook_registered else "None (mean allreduce)"
@@ -376,6 +392,19 @@ def _single_device(named: list[tuple[str, nn.Parameter]]) -> torch.device:
                 "Move the whole module with module.to(device) before wrapping it."
             )
     return first.device
+
+
+def _check_sync_batchnorm(module: nn.Module, device: torch.device) -> None:
+    """torch's SyncBatchNorm has GPU kernels only: fail at construction, as torch's DDP does, not in forward."""
+    if device.type != "cpu":
+        return
+    for name, layer in module.named_modules():
+        if isinstance(layer, nn.SyncBatchNorm):
+            raise ValueError(
+                f"lightning_ddpx.DistributedDataParallel: layer {name!r} is a SyncBatchNorm, which torch implements "
+                "for GPUs only, but the module is on the CPU (torch's DDP refuses this too). Train on GPUs, or "
+                "use plain BatchNorm on the CPU (Trainer(sync_batchnorm=False))."
+            )
 
 
 def _validate_hook(hook: Callable) -> None:

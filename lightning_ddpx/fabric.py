@@ -40,7 +40,8 @@ from lightning_ddpx import local_replicas, post_local_sgd_setup
 from lightning_ddpx.checkpoint_io import AtomicCheckpointIO
 from lightning_ddpx.checkpoint_state import CHECKPOINT_KEY
 from lightning_ddpx.comm_stats import CommStatsSummary
-from lightning_ddpx.config import CommHookFn, DDPXConfig, DDPXConfigAttributes, register_strategy_names
+from lightning_ddpx.config import CommHookFn, DDPXConfigAttributes, register_strategy_names
+from lightning_ddpx.ddp_kwargs import build_ddpx_config
 from lightning_ddpx.distributed import DistributedDataParallel
 from lightning_ddpx.hooks import PostLocalSGDOptions, PowerSGDOptions
 from lightning_ddpx.model_averaging import ModelAverager
@@ -55,8 +56,9 @@ log = logging.getLogger(__name__)
 class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     """Fabric's multi-process data parallelism with lightning_ddpx's gradient reducer and communication hooks.
 
-    Takes every argument of Fabric's ``DDPStrategy`` except torch's DDP kwargs, plus the options of the
-    Trainer strategy (:class:`lightning_ddpx.DDPXStrategy`), with the same meaning and the same checks:
+    Takes every argument of Fabric's ``DDPStrategy``, torch's DDP keyword arguments (honoured or refused
+    with an error, as in the Trainer strategy) and Lightning's ``ddp_comm_hook``/``ddp_comm_state``/
+    ``ddp_comm_wrapper`` spellings, plus the options of the Trainer strategy (:class:`lightning_ddpx.DDPXStrategy`), with the same meaning and the same checks:
 
     Args:
         comm_hook: a registered hook name (``lightning_ddpx.hooks.available_hooks()``), a callable
@@ -94,13 +96,27 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        ddp_comm_state: Optional[Any] = None,
+        ddp_comm_hook: Optional[Union[str, CommHookFn]] = None,
+        ddp_comm_wrapper: Optional[Union[str, Callable[[CommHookFn], CommHookFn]]] = None,
+        static_graph: bool = False,
+        init_sync: bool = True,
+        forward_sync_buffers: Optional[bool] = None,
+        skip_all_reduce_unused_params: bool = False,
+        batched_grad_copy: bool = False,
         uneven_inputs: UnevenInputs = "join",
+        **kwargs: Any,
     ) -> None:
         # Validate before Fabric sees the strategy: a typo fails at once, not after launch.
-        self.ddpx_config = DDPXConfig(
+        self.ddpx_config = build_ddpx_config(
+            type(self).__name__,
+            kwargs,  # torch DDP keyword arguments Lightning would pass through: refused unless harmless
             comm_hook=comm_hook,
             comm_state=comm_state,
             comm_wrapper=comm_wrapper,
+            ddp_comm_hook=ddp_comm_hook,
+            ddp_comm_state=ddp_comm_state,
+            ddp_comm_wrapper=ddp_comm_wrapper,
             powersgd=powersgd,
             post_local_sgd=post_local_sgd,
             model_averaging_period=model_averaging_period,
@@ -108,7 +124,12 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             first_bucket_cap_mb=first_bucket_cap_mb,
             find_unused_parameters=find_unused_parameters,
             broadcast_buffers=broadcast_buffers,
+            forward_sync_buffers=forward_sync_buffers,
             gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
+            init_sync=init_sync,
+            skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+            batched_grad_copy=batched_grad_copy,
             uneven_inputs=uneven_inputs,
         )
         super().__init__(

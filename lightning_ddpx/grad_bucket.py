@@ -57,7 +57,7 @@ class GradBucket:
     into it shaped like the parameters, so a hook that writes into them writes into the buffer.
     """
 
-    __slots__ = ("_index", "_buffer", "_gradients", "_parameters", "_is_last", "_sent_log")
+    __slots__ = ("_index", "_buffer", "_gradients", "_parameters", "_is_last", "_sent_log", "_names")
 
     def __init__(
         self,
@@ -67,8 +67,10 @@ class GradBucket:
         parameters: Sequence[torch.nn.Parameter],
         is_last: bool,
         sent_log: list[int] | None = None,
+        names: Sequence[str] | None = None,
     ) -> None:
         self._index = index
+        self._names = tuple(names) if names is not None else None
         self._buffer = buffer
         self._gradients = list(gradients)
         self._parameters = list(parameters)
@@ -90,6 +92,14 @@ class GradBucket:
     def parameters(self) -> list[torch.nn.Parameter]:
         """The parameters whose gradients this bucket holds, in buffer order."""
         return self._parameters
+
+    def parameter_names(self) -> tuple[str, ...] | None:
+        """The parameters' names in the wrapped module, in bucket order (``None`` if not given).
+
+        Not in torch's ``GradBucket``: stateful hooks use it to key their memory by parameter, so that it
+        survives a change of bucket layout (see :mod:`lightning_ddpx.hooks.powersgd_remap`).
+        """
+        return self._names
 
     def is_last(self) -> bool:
         """Whether this is the last bucket launched in the iteration."""

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 __all__ = ["DDPXJoinHook", "JoinRound", "announce", "broadcast_from"]
 
 # Rows of the per-forward announcement; one column per rank.
-_ACTIVE, _SYNC, _VERIFY, _REBUILD, _BUFFERS = range(5)
+_ACTIVE, _SYNC, _VERIFY, _REBUILD, _BUFFERS, _BITMAP = range(6)
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,7 @@ class JoinRound:
     active: tuple[int, ...]  # ranks that still have inputs
     syncing: bool  # this forward's backward reduces gradients (not no_sync, grad enabled)
     verify: bool  # the ranks compare their settings (their first synchronising forward)
+    bitmap: bool  # their backward all-reduces the used-parameter bitmap after the buckets
     rebuild_src: int | None  # the rank whose observed gradient order rebuilds the buckets, if any
     buffers_src: int | None  # the rank whose buffers are broadcast before forward, if any
 
@@ -58,6 +59,7 @@ def announce(
     will_verify: bool = False,
     will_rebuild: bool = False,
     will_broadcast_buffers: bool = False,
+    will_share_bitmap: bool = False,
 ) -> JoinRound:
     """One allreduce telling every rank (joined ones included) what this forward will communicate.
 
@@ -67,13 +69,14 @@ def announce(
     module.reducer.progress.record(
         "the join() announcement before a forward" + ("" if active else " (shadowing)")
     )
-    flags = torch.zeros(5, world_size, dtype=torch.int32, device=module.device)
+    flags = torch.zeros(6, world_size, dtype=torch.int32, device=module.device)
     if active:
         flags[_ACTIVE, rank] = 1
         flags[_SYNC, rank] = int(will_sync)
         flags[_VERIFY, rank] = int(will_verify)
         flags[_REBUILD, rank] = int(will_rebuild)
         flags[_BUFFERS, rank] = int(will_broadcast_buffers)
+        flags[_BITMAP, rank] = int(will_share_bitmap)
     with waiting_for(
         "the other ranks' join announcement for this forward (uneven inputs)", module.process_group
     ):
@@ -85,6 +88,7 @@ def announce(
         active=ranks,
         syncing=any(rows[_SYNC]),
         verify=any(rows[_VERIFY]),
+        bitmap=any(rows[_BITMAP]),
         rebuild_src=min(rebuilders) if rebuilders else None,
         # torch's choice: the highest rank that has not joined holds the freshest buffers
         buffers_src=max(ranks) if any(rows[_BUFFERS]) and ranks else None,
@@ -115,7 +119,7 @@ class DDPXJoinHook(JoinHook):
             ):
                 broadcast_from(list(module.module.buffers()), module.process_group, round_.buffers_src)
         if round_.syncing:
-            reducer.shadow_reduction()
+            reducer.shadow_reduction(bitmap=round_.bitmap)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank ends with the model of the last rank to join (ties: the highest such rank)."""

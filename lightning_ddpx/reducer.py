@@ -20,8 +20,10 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_ddpx.backward_start import attach_backward_start
 from lightning_ddpx.bucketing import BucketInfo, BucketSpec, plan_buckets
 from lightning_ddpx.comm_stats import CommStatsWindow, StepCommStats
+from lightning_ddpx.cuda_streams import current_stream, on_stream, wait_streams
 from lightning_ddpx.diagnosis import ProgressBoard, check_same_sequence, dtype_code
 from lightning_ddpx.errors import CommunicationError, waiting_for
 from lightning_ddpx.grad_bucket import (
@@ -34,6 +36,7 @@ from lightning_ddpx.grad_bucket import (
 from lightning_ddpx.graph import reachable_parameter_indices
 from lightning_ddpx.launcher import InlineLauncher, SequencedLauncher
 from lightning_ddpx.profiling import label
+from lightning_ddpx.static_graph import StaticGraph
 
 __all__ = ["Reducer"]
 
@@ -63,10 +66,11 @@ class Phase(enum.Enum):
 class _Bucket:
     """Runtime storage for one :class:`BucketSpec`: the flat buffer and per-parameter views into it."""
 
-    __slots__ = ("spec", "buffer", "views", "params", "nbytes")
+    __slots__ = ("spec", "buffer", "views", "params", "nbytes", "names")
 
-    def __init__(self, spec: BucketSpec, params: Sequence[torch.nn.Parameter]) -> None:
+    def __init__(self, spec: BucketSpec, params: Sequence[torch.nn.Parameter], names: Sequence[str]) -> None:
         self.spec = spec
+        self.names = tuple(names[i] for i in spec.param_indices)
         self.buffer = torch.zeros(spec.numel, dtype=spec.dtype, device=spec.device)
         self.nbytes = self.buffer.numel() * self.buffer.element_size()
         self.params = [params[i] for i in spec.param_indices]
@@ -88,6 +92,7 @@ class Reducer:
         cap_bytes: int,
         find_unused_parameters: bool,
         gradient_as_bucket_view: bool,
+        static_graph: bool = False,
     ) -> None:
         self.params = list(params)
         self.names = list(names)
@@ -96,8 +101,14 @@ class Reducer:
         self.first_cap_bytes = first_cap_bytes
         self.cap_bytes = cap_bytes
         self.find_unused_parameters = find_unused_parameters
+        self.static_graph = static_graph
+        # static_graph: the first synchronised backward's record replaces the per-step graph walk
+        self.static: StaticGraph | None = StaticGraph(self.names) if static_graph else None
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
+        # CUDA: the stream that produced each parameter's gradient (lightning_ddpx.cuda_streams)
+        self._on_cuda = any(p.device.type == "cuda" for p in self.params)
+        self._grad_streams: list[Any] = [None] * len(self.params)
 
         self.hook: CommHook = _sum_allreduce_hook
         self.hook_state: Any = process_group
@@ -112,6 +123,7 @@ class Reducer:
         # arriving then comes from a second backward of the same forward, which would stay local.
         self._synced_since_forward = False
         self._forward_unused: set[int] = set()
+        self._start_hooks: list[Any] = []  # pre-hooks on the last synchronising forward's output nodes
         self._observed_order: list[int] = []
         self.last_exposed_comm_s = 0.0
         self.last_step_stats: StepCommStats | None = None
@@ -134,7 +146,7 @@ class Reducer:
             numels, [p.dtype for p in self.params], [p.device for p in self.params], order,
             self.first_cap_bytes, self.cap_bytes,
         )  # fmt: skip
-        self.buckets = [_Bucket(spec, self.params) for spec in specs]
+        self.buckets = [_Bucket(spec, self.params, self.names) for spec in specs]
         self._bucket_of = [0] * len(self.params)
         self._position_of = [0] * len(self.params)
         for b, bucket in enumerate(self.buckets):
@@ -170,10 +182,13 @@ class Reducer:
         self._locally_used = bytearray(len(self.params))
         self._next_launch = 0
         self._futures: list[torch.futures.Future | None] = [None] * count
+        self._launch_streams: list[Any] = [None] * count  # CUDA: the stream each bucket was filled on
         # Statistics of this iteration; the lists are appended to from the hooks' threads (atomic).
         self._bytes_to_hook = 0
         self._sent_log: list[int] = []
         self._hook_seconds: list[float] = []
+        if self.static is not None:
+            self.static.reset()
 
     # ------------------------------------------------------------------------------------ comm hook
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
@@ -216,11 +231,19 @@ class Reducer:
         self._rebuild_buckets(src)
         self._ready_order = None
 
-    def shadow_reduction(self) -> None:
+    @property
+    def shares_used_bitmap(self) -> bool:
+        """Whether a synchronised backward now all-reduces the used-parameter bitmap after its buckets."""
+        if self.static is not None:
+            return self.static.recording
+        return self.find_unused_parameters
+
+    def shadow_reduction(self, bitmap: bool) -> None:
         """Reduce one iteration with zero gradients, as a rank that has joined (see :mod:`lightning_ddpx.join`).
 
         Every bucket goes through the registered hook, in bucket order, exactly like a real backward, then
-        the used-parameter bitmap (all zeros) when unused parameters are searched; results are discarded.
+        the used-parameter bitmap (all zeros) when the active ranks share theirs (``bitmap``); results are
+        discarded.
         """
         if self.phase is not Phase.IDLE:
             raise RuntimeError(
@@ -235,7 +258,9 @@ class Reducer:
                     zeros[offset : offset + p.numel()].view_as(p)
                     for offset, p in zip(bucket.spec.offsets, bucket.params)
                 ]
-                grad_bucket = GradBucket(b, zeros, views, bucket.params, b == len(self.buckets) - 1)
+                grad_bucket = GradBucket(
+                    b, zeros, views, bucket.params, b == len(self.buckets) - 1, names=bucket.names
+                )
                 self.progress.record(
                     f"bucket {b} of {len(self.buckets)} ({_hook_name(hook)}), shadowing (joined)"
                 )
@@ -243,26 +268,44 @@ class Reducer:
                 if self.progress.debug:  # counted as if this rank ran the forward it shadows
                     call = self._checked(call, b, (self._forwards_armed + 1, self._reductions + 1))
                 launched.append((b, self._launcher.submit(call)))
-            bitmap = self._launch_used_bitmap() if self.find_unused_parameters else None
+            used = self._launch_used_bitmap() if bitmap else None
             for b, future in launched:
                 what = f"bucket {b} (parameters {self._bucket_names(b)}), shadowed with zeros by this joined rank"
                 with waiting_for(what, self.process_group):
                     future.wait()
-            if bitmap is not None:
+            if used is not None:
                 with waiting_for(
                     "the used-parameter bitmap, shadowed by this joined rank", self.process_group
                 ):
-                    bitmap.wait()
+                    used.wait()
         self._forwards_armed += 1
         self._reductions += 1
 
     def prepare_backward(self, outputs: Any) -> None:
-        """Called after a synchronising forward: arm reduction, and find unused parameters if asked."""
+        """Called after a synchronising forward: arm reduction, and find unused parameters if asked.
+
+        The reduction starts when backward reaches ``outputs`` (:mod:`lightning_ddpx.backward_start`), so
+        the end-of-backward callback belongs to the outermost backward, or at the first gradient hook.
+        """
         self.phase = Phase.ARMED
         self._forwards_armed += 1
-        if self.find_unused_parameters:
+        if self.static is not None:
+            self._forward_unused = set(self.static.unused)  # empty while recording: nothing is known yet
+        elif self.find_unused_parameters:
             reached = reachable_parameter_indices(outputs, self._index_of)
             self._forward_unused = set(range(len(self.params))) - reached
+        self._remove_start_hooks()
+        self._start_hooks = attach_backward_start(outputs, self._on_backward_start)
+
+    def _remove_start_hooks(self) -> None:
+        for handle in self._start_hooks:
+            handle.remove()
+        self._start_hooks = []
+
+    def _on_backward_start(self) -> None:
+        """Backward reached forward's outputs (before any gradient of forward's parameters)."""
+        if self.phase is Phase.ARMED:
+            self._begin_reduction()
 
     def allow_local_backward(self) -> None:
         """``no_sync()`` was entered: backward passes until the next forward accumulate locally, on purpose."""
@@ -282,6 +325,8 @@ class Reducer:
                         raise RuntimeError(self._backward_after_sync_message(index))
                     return
                 self._begin_reduction()
+            if self.static is not None and not self.static.on_gradient(index):
+                return  # more gradients of this parameter to come (or recording: all wait for the end)
             self._mark_ready(index, used=True)
 
         return on_grad_accumulated
@@ -302,6 +347,8 @@ class Reducer:
         b = self._bucket_of[index]
         if used:
             self._locally_used[index] = 1
+            if self._on_cuda:
+                self._grad_streams[index] = torch.cuda.current_stream(self.params[index].device)
             if self.gradient_as_bucket_view:
                 self._adopt_grad_as_view(index, b)
         else:
@@ -336,18 +383,27 @@ class Reducer:
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
         with label("lightning_ddpx::launch_bucket"):
+            stream = current_stream(bucket.buffer.device)  # None off CUDA
+            others = self._other_producing_streams(bucket, stream)
+            self._launch_streams[b] = stream
             if not self.gradient_as_bucket_view:
-                self._copy_grads_into(b, bucket, self._scale_on_copy)
-            elif self._scale_on_copy is not None:
-                bucket.buffer.mul_(self._scale_on_copy)
+                if others:
+                    self._copy_on_producing_streams(b, bucket, self._scale_on_copy, stream)
+                else:
+                    self._copy_grads_into(b, bucket, self._scale_on_copy)
+            else:
+                wait_streams(stream, others)  # the views were written in each gradient's own hook
+                if self._scale_on_copy is not None:
+                    bucket.buffer.mul_(self._scale_on_copy)
             sent_log = self._sent_log if self.collect_stats else None
             grad_bucket = GradBucket(
-                b, bucket.buffer, bucket.views, bucket.params, b == len(self.buckets) - 1, sent_log
-            )
+                b, bucket.buffer, bucket.views, bucket.params, b == len(self.buckets) - 1, sent_log,
+                names=bucket.names,
+            )  # fmt: skip
             self.progress.record(
                 f"bucket {b} of {len(self.buckets)} ({_hook_name(self.hook)}) in iteration {self.iterations_synced + 1}"
             )
-            call = self._hook_call(grad_bucket, bucket.nbytes)
+            call = on_stream(stream, self._hook_call(grad_bucket, bucket.nbytes))  # also on the comm thread
             if self.progress.debug:
                 call = self._checked(call, b, (self._forwards_armed, self._reductions + 1))
             self._futures[b] = self._launcher.submit(call)
@@ -365,6 +421,31 @@ class Reducer:
             return call()
 
         return checked
+
+    def _other_producing_streams(self, bucket: _Bucket, stream: Any) -> list[Any]:
+        """CUDA: streams other than ``stream`` that produced gradients of this bucket (usually none)."""
+        if stream is None:
+            return []
+        used, streams = self._locally_used, self._grad_streams
+        return [streams[i] for i in bucket.spec.param_indices if used[i] and streams[i] != stream]
+
+    @torch.no_grad()
+    def _copy_on_producing_streams(self, b: int, bucket: _Bucket, scale: float | None, stream: Any) -> None:
+        """CUDA, gradients from several streams: copy each on the stream that produced it, then make the
+        launch stream wait for those streams (GPU events, no host synchronisation)."""
+        used, producers = self._locally_used, []
+        for index, param, view in zip(bucket.spec.param_indices, bucket.params, bucket.views):
+            if not used[index]:
+                view.zero_()
+                continue
+            producer = self._grad_streams[index]
+            producers.append(producer)
+            with torch.cuda.stream(producer):
+                if scale is None:
+                    view.copy_(param.grad)
+                else:
+                    torch.mul(param.grad, scale, out=view)
+        wait_streams(stream, producers)
 
     def _hook_call(self, grad_bucket: GradBucket, nbytes: int) -> Callable[[], torch.futures.Future]:
         """The hook's call on one bucket, timed into this iteration's statistics when they are kept."""
@@ -409,12 +490,15 @@ class Reducer:
         with label("lightning_ddpx::finalize"):
             try:
                 missing = [i for i in range(len(self.params)) if not self._ready[i]]
-                if missing and not self.find_unused_parameters:
-                    self._wait_launched_quietly()
-                    raise RuntimeError(self._unused_message(missing))
-                for index in missing:  # reachable from outputs but not from the loss
-                    self._mark_ready(index, used=False)
-                globally_used = self._launch_used_bitmap() if self.find_unused_parameters else None
+                if self.static is not None:
+                    globally_used = self._finalize_static(missing)
+                else:
+                    if missing and not self.find_unused_parameters:
+                        self._wait_launched_quietly()
+                        raise RuntimeError(self._unused_message(missing))
+                    for index in missing:  # reachable from outputs but not from the loss
+                        self._mark_ready(index, used=False)
+                    globally_used = self._launch_used_bitmap() if self.find_unused_parameters else None
                 started = time.perf_counter()
                 results = [self._result_of(b) for b in range(len(self.buckets))]
                 used_counts = None
@@ -423,6 +507,10 @@ class Reducer:
                         "the used-parameter bitmap (find_unused_parameters)", self.process_group
                     ):
                         used_counts = globally_used.wait()[0].tolist()
+                    if self.static is not None:
+                        self.static.record(used_counts)
+                elif self.static is not None:
+                    used_counts = self.static.globally_used
                 self.last_exposed_comm_s = time.perf_counter() - started
                 self._write_back(results, used_counts)
                 if self.collect_stats:
@@ -430,6 +518,19 @@ class Reducer:
                 succeeded = True
             finally:
                 self._end_iteration(succeeded)
+
+    def _finalize_static(self, missing: list[int]) -> torch.futures.Future | None:
+        """static_graph: while recording, every gradient is complete now: mark all (used or not) and
+        share which are used; afterwards, a parameter short of its recorded count means the graph changed."""
+        assert self.static is not None
+        if self.static.recording:
+            for index in self.static.recording_order():
+                self._mark_ready(index, used=self.static.fires[index] > 0)
+            return self._launch_used_bitmap()
+        if missing:
+            self._wait_launched_quietly()
+            raise RuntimeError(self.static.missing_message(missing, dist.get_rank(self.process_group)))
+        return None
 
     def _record_step_stats(self) -> None:
         sent = self._sent_log
@@ -472,6 +573,9 @@ class Reducer:
         if isinstance(value, (list, tuple)) and len(value) == 1:
             value = value[0]
         buffer = self.buckets[b].buffer
+        # CUDA: torch's CUDA futures already made the current stream wait; any other future (a hook's own,
+        # the communication thread's) did not, so wait for the stream the hook ran on. No host sync.
+        wait_streams(current_stream(buffer.device), [self._launch_streams[b]])
         if (
             not isinstance(value, torch.Tensor)
             or value.numel() != buffer.numel()
@@ -514,6 +618,7 @@ class Reducer:
     def _end_iteration(self, succeeded: bool) -> None:
         self.phase = Phase.IDLE
         self._reductions += 1
+        self._remove_start_hooks()
         self._synced_since_forward = succeeded
         if succeeded:
             self.iterations_synced += 1

@@ -41,8 +41,9 @@ from typing_extensions import override
 from lightning_ddpx import checkpoint_state, local_replicas, post_local_sgd_setup
 from lightning_ddpx.checkpoint_io import AtomicCheckpointIO
 from lightning_ddpx.compile import apply_lightning_compile
-from lightning_ddpx.config import CommHookFn, DDPXConfig, DDPXConfigAttributes, register_strategy_names
+from lightning_ddpx.config import CommHookFn, DDPXConfigAttributes, register_strategy_names
 from lightning_ddpx.consistency import broadcast_from_rank0
+from lightning_ddpx.ddp_kwargs import build_ddpx_config
 from lightning_ddpx.distributed import DistributedDataParallel
 from lightning_ddpx.errors import waiting_for
 from lightning_ddpx.hooks import PostLocalSGDOptions, PowerSGDOptions
@@ -58,7 +59,10 @@ log = logging.getLogger(__name__)
 class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     """Multi-process data parallelism with lightning_ddpx's gradient reducer and communication hooks.
 
-    Takes every argument of Lightning's ``DDPStrategy`` except torch's DDP kwargs, plus:
+    Takes every argument of Lightning's ``DDPStrategy`` (``ddp_comm_hook``, ``ddp_comm_state`` and
+    ``ddp_comm_wrapper`` are other spellings of ``comm_hook``, ``comm_state`` and ``comm_wrapper``) and every
+    torch DDP keyword argument Lightning passes through: honoured with torch's meaning, or refused with an
+    error saying what to do instead (table in docs/strategy.md; :mod:`lightning_ddpx.ddp_kwargs`). Plus:
 
     Args:
         comm_hook: a registered hook name (``allreduce``, ``fp16``, ``bf16``, ``powersgd``,
@@ -78,6 +82,8 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             ``start_localSGD_iter``. See ``docs/hooks.md`` (post-local SGD).
         bucket_cap_mb, first_bucket_cap_mb, find_unused_parameters, broadcast_buffers,
             gradient_as_bucket_view: passed to :class:`lightning_ddpx.DistributedDataParallel`.
+        static_graph, init_sync, forward_sync_buffers, skip_all_reduce_unused_params, batched_grad_copy:
+            torch DDP's arguments, with torch's meaning (see :class:`lightning_ddpx.DistributedDataParallel`).
         comm_stats_every_n_steps: log communication statistics (bytes to the hook and sent, compression
             ratio, time in hooks, exposed communication; per-step means, rank 0's) to the Trainer's loggers
             under ``ddpx/`` every N synchronised steps. ``None`` (default): nothing is logged.
@@ -116,14 +122,28 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         comm_stats_every_n_steps: Optional[int] = None,
+        ddp_comm_state: Optional[Any] = None,
+        ddp_comm_hook: Optional[Union[str, CommHookFn]] = None,
+        ddp_comm_wrapper: Optional[Union[str, Callable[[CommHookFn], CommHookFn]]] = None,
+        static_graph: bool = False,
+        init_sync: bool = True,
+        forward_sync_buffers: Optional[bool] = None,
+        skip_all_reduce_unused_params: bool = False,
+        batched_grad_copy: bool = False,
         uneven_inputs: UnevenInputs = "join",
+        **kwargs: Any,
     ) -> None:
         # Validate everything before Lightning sees the strategy: a typo fails at once, not after launch.
         _check_stats_interval(comm_stats_every_n_steps)
-        self.ddpx_config = DDPXConfig(
+        self.ddpx_config = build_ddpx_config(
+            type(self).__name__,
+            kwargs,  # torch DDP keyword arguments Lightning would pass through: refused unless harmless
             comm_hook=comm_hook,
             comm_state=comm_state,
             comm_wrapper=comm_wrapper,
+            ddp_comm_hook=ddp_comm_hook,
+            ddp_comm_state=ddp_comm_state,
+            ddp_comm_wrapper=ddp_comm_wrapper,
             powersgd=powersgd,
             post_local_sgd=post_local_sgd,
             model_averaging_period=model_averaging_period,
@@ -131,7 +151,12 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             first_bucket_cap_mb=first_bucket_cap_mb,
             find_unused_parameters=find_unused_parameters,
             broadcast_buffers=broadcast_buffers,
+            forward_sync_buffers=forward_sync_buffers,
             gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
+            init_sync=init_sync,
+            skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+            batched_grad_copy=batched_grad_copy,
             uneven_inputs=uneven_inputs,
         )
         super().__init__(

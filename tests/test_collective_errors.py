@@ -4,6 +4,9 @@ with different hooks or options are stopped before the first step with a message
 Per site: rank 1 leaves the job (returns, destroying its process group) just before the site, and rank 0
 runs it. Rank 0 must raise :class:`~lightning_ddpx.errors.CommunicationError` naming what it was doing and
 the peer, not gloo's bare "Connection reset by peer" (tests/test_no_hangs.py covers bucket reductions).
+Not reachable here, though wrapped the same way: the bfloat16 probe (gloo is known to reduce bfloat16, so
+it never probes), the used-parameter bitmap (bucket reductions before it fail first) and the weight
+broadcast before validate/test/predict (Lightning's own collectives run before it).
 """
 
 from __future__ import annotations

@@ -448,3 +448,17 @@ def test_thin_projections_equal_plain_products(rank: int) -> None:
     left_project_(q_out, x, p)
     torch.testing.assert_close(q_out, x.t() @ p, rtol=1e-5, atol=1e-4)
     assert packed[:5].abs().sum() == 0  # nothing written outside the view
+
+
+def test_q_draws_fill_a_2d_q_on_any_device():
+    """The square (batched) runtime's Q is 2-D; off the CPU the draw is made on the CPU and copied over.
+    That copy once failed with a shape error on CUDA (found on an H100); the meta device takes the same
+    branch here, and on the CPU a 2-D Q gets exactly the numbers a flat one does."""
+    from lightning_ddpx.hooks.powersgd import _draw_q
+    from lightning_ddpx.hooks.powersgd_state import PowerSGDState
+
+    flat, square = torch.empty(244), torch.empty(122, 2)
+    _draw_q(PowerSGDState(None, random_seed=3), flat, (244,))
+    _draw_q(PowerSGDState(None, random_seed=3), square, (244,))
+    assert torch.equal(square.view(-1), flat)
+    _draw_q(PowerSGDState(None, random_seed=3), torch.empty(122, 2, device="meta"), (244,))

@@ -39,5 +39,7 @@ def test_peer_failure_raises_named_error_within_timeout(how: str) -> None:
     assert message.startswith("lightning_ddpx (rank 0)"), message
     assert "bucket" in message and "to be reduced by" in message, message
     assert f"after {PG_TIMEOUT_S:.0f} s" in message and "timeout=datetime.timedelta" in message, message
-    expected_cause = "no peer answered" if how == "skips_backward" else "the other rank (rank 1) exited or crashed"
+    expected_cause = (
+        "no peer answered" if how == "skips_backward" else "the other rank (rank 1) exited or crashed"
+    )
     assert expected_cause in message, message

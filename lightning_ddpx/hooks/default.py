@@ -150,9 +150,11 @@ def _recast_bucket(bucket: Any, buffer: torch.Tensor, layouts: dict) -> GradBuck
     _, sizes, where, slots = cached
     segments = buffer.split(sizes)
     views = [segments[w].view(slot.shape) for w, slot in zip(where, slots)]
+    names = bucket.parameter_names() if hasattr(bucket, "parameter_names") else None
     return GradBucket(
-        bucket.index(), buffer, views, bucket.parameters(), bucket.is_last(), sent_log=sent_log_of(bucket)
-    )
+        bucket.index(), buffer, views, bucket.parameters(), bucket.is_last(), sent_log=sent_log_of(bucket),
+        names=names,
+    )  # fmt: skip
 
 
 @collectives_issued_on_call

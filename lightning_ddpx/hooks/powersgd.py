@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ddpx.grad_bucket import payload_bytes, record_bytes_sent
+from lightning_ddpx.hooks import powersgd_remap
 from lightning_ddpx.hooks.default import first_value
 from lightning_ddpx.hooks.layout import (
     PowerSGDPlan,
@@ -109,25 +110,38 @@ def _draw_q(state: PowerSGDState, q: torch.Tensor, draw_sizes: tuple[int, ...]) 
     slicing). Every rank draws the same numbers.
     """
     generator = torch.Generator().manual_seed(int(state.shared.rng.randint(1_000_000_000)))
-    target = q if q.device.type == "cpu" else torch.empty(q.numel(), dtype=q.dtype)
+    flat = q.view(-1)  # slices of draw_sizes elements, whatever q's shape (the square runtime's is 2-D)
+    target = flat if q.device.type == "cpu" else torch.empty(q.numel(), dtype=q.dtype)
     offset = 0
     for size in draw_sizes:
         target[offset : offset + size].normal_(generator=generator)
         offset += size
-    if target is not q:
-        q.copy_(target)
+    if target is not flat:
+        flat.copy_(target)  # drawn on the CPU generator, as torch does, then moved to q's device
 
 
-def _claim_memory(state: PowerSGDState, index: int, signature: tuple[int, ...]) -> None:
-    """Tie bucket ``index``'s memory to the layout ``signature``; memory of another layout is dropped.
+def _claim_memory(
+    state: PowerSGDState, index: int, signature: tuple[int, ...], names: tuple[str, ...] | None = None
+) -> None:
+    """Tie bucket ``index``'s memory to the layout ``signature`` of the parameters ``names``.
 
-    Error feedback and warm-start Q are per gradient position, so applying them to a bucket whose layout
-    changed (buckets rebuilt, a different model, a checkpoint from another configuration) would add one
-    tensor's error to another. Memory of the same layout (e.g. just loaded from a checkpoint) is kept.
+    Memory of the same layout (e.g. just loaded from a checkpoint) is kept. When the layout changed
+    (buckets rebuilt, a fresh module, another bucket cap) and the parameters are known by name, the memory
+    of every old bucket holding one of this bucket's parameters moves to the per-parameter pools, from
+    which the new buckets take it (:func:`_take_pooled`). Without names (torch's ``GradBucket``, the
+    batched hook's square) it is dropped with a warning: applying it by position would add one tensor's
+    error to another.
     """
     shared = state.shared
-    if shared.layout.get(index) == signature:
+    if shared.layout.get(index) == signature and shared.names.get(index) in (names, None):
+        if names is not None:
+            shared.names[index] = names  # memory saved before names were recorded: same layout, kept
         return
+    if names is not None:
+        _pool_memory_of(state, index, set(names))
+        shared.layout[index], shared.names[index] = signature, names
+        return
+    shared.names.pop(index, None)
     if index in shared.q or index in state.per_rank.error:
         warnings.warn(
             f"PowerSGD memory for bucket {index} was built for another bucket layout (the buckets changed "
@@ -137,6 +151,49 @@ def _claim_memory(state: PowerSGDState, index: int, signature: tuple[int, ...]) 
     shared.q.pop(index, None)
     state.per_rank.error.pop(index, None)
     shared.layout[index] = signature
+
+
+def _pool_memory_of(state: PowerSGDState, index: int, names: set[str]) -> None:
+    """Cut the memory of bucket ``index`` and of every saved bucket sharing a parameter with ``names`` into
+    per-parameter pieces (such buckets changed too, so their runtimes are rebuilt and take pieces back)."""
+    shared, options = state.shared, state.options
+    for i in list(shared.layout):
+        old_names = shared.names.get(i)
+        if i != index and (old_names is None or names.isdisjoint(old_names)):
+            continue
+        q, error = shared.q.pop(i, None), state.per_rank.error.pop(i, None)
+        signature = shared.layout.pop(i)
+        shared.names.pop(i, None)
+        if old_names is None or signature[:1] == (-1,):
+            if q is not None or error is not None:
+                warnings.warn(
+                    f"PowerSGD memory for bucket {i} was built for another bucket layout and does not name its "
+                    "parameters; its error feedback and warm-start Q are reset.",
+                    stacklevel=5,
+                )
+            continue
+        slots = powersgd_remap.slots_of(signature)
+        end = max((slot.offset + slot.numel for slot in slots), default=0)
+        plan = plan_powersgd(
+            end, slots, options.matrix_approximation_rank, options.min_compression_rate,
+            options.batch_tensors_with_same_shape,
+        )  # fmt: skip
+        q_pieces, error_pieces = powersgd_remap.explode(plan, old_names, q, error)
+        shared.q_pool.update(q_pieces)
+        state.per_rank.error_pool.update(error_pieces)
+
+
+def _take_pooled(
+    pool: dict[str, torch.Tensor],
+    plan: PowerSGDPlan,
+    names: tuple[str, ...] | None,
+    out: torch.Tensor,
+    kind: str,
+) -> bool:
+    """Fill ``out`` with this bucket's pooled pieces; whether every compressed matrix had one."""
+    if names is None or not pool:
+        return False
+    return powersgd_remap.assemble(plan, names, pool, out, kind)
 
 
 def _memory(
@@ -177,16 +234,22 @@ class _TensorwiseRuntime:
         self.round_one = torch.empty(plan.p_numel + plan.uncompressed_numel, **new)
         self.p = self.round_one[: plan.p_numel]
         self.uncompressed_packed = self.round_one[plan.p_numel :]
-        _claim_memory(state, self.index, layout_signature(plan.slots))
+        names = bucket.parameter_names() if hasattr(bucket, "parameter_names") else None
+        _claim_memory(state, self.index, layout_signature(plan.slots), names)
         q = _memory(state.shared.q, self.index, plan.q_numel, buffer)
         self.q = q if q is not None else torch.empty(plan.q_numel, **new)
         self.q_ready = q is not None  # False until the first random draw has filled it
+        if q is None and _take_pooled(state.shared.q_pool, plan, names, self.q, "q"):
+            self.q_ready = True  # every matrix's warm-start Q came from the bucket layout before
+            if options.warm_start:
+                state.shared.q[self.index] = self.q
         # X, the matrices to compress: the error buffer itself with error feedback, else a work buffer.
         error = None
         if options.use_error_feedback:
             error = _memory(state.per_rank.error, self.index, plan.packed_numel, buffer)
             if error is None:
                 error = torch.zeros(plan.packed_numel, **new)
+                _take_pooled(state.per_rank.error_pool, plan, names, error, "error")
             state.per_rank.error[self.index] = error
         self.error = error
         self.x = error if error is not None else torch.empty(plan.packed_numel, **new)

@@ -151,6 +151,8 @@ class SharedMemory:
     rng: np.random.RandomState = field(default_factory=np.random.RandomState)  # draws the Q seeds
     q: dict[int, torch.Tensor] = field(default_factory=dict)  # warm-start Q per bucket, after averaging
     layout: dict[int, tuple[int, ...]] = field(default_factory=dict)  # which bucket layout the memory is for
+    names: dict[int, tuple[str, ...]] = field(default_factory=dict)  # the parameters of that layout, by name
+    q_pool: dict[str, torch.Tensor] = field(default_factory=dict)  # Q by parameter, between two layouts
     numel_before: int = 0
     numel_after: int = 0
     per_bucket: dict[int, tuple[int, int]] = field(default_factory=dict)
@@ -162,6 +164,7 @@ class RankMemory:
     """State that differs per rank: each rank's checkpoint entry."""
 
     error: dict[int, torch.Tensor] = field(default_factory=dict)  # error feedback per bucket (packed)
+    error_pool: dict[str, torch.Tensor] = field(default_factory=dict)  # by parameter, between two layouts
 
 
 class PowerSGDState:
@@ -173,13 +176,16 @@ class PowerSGDState:
 
     ``state_dict()`` layout (tensors and plain values only)::
 
-        {"shared":   {"version", "options", "iteration", "rng_state", "rng_gauss", "q", "layout", "stats"},
-         "per_rank": {"error"}}
+        {"shared":   {"version", "options", "iteration", "rng_state", "rng_gauss", "q", "layout", "names",
+                      "q_pool", "stats"},
+         "per_rank": {"error", "error_pool"}}
 
     ``shared`` is equal on every rank (iteration, seed generator state as an int64 tensor, warm-start Q
-    per bucket, the bucket layouts that memory belongs to, statistics); ``per_rank`` is this rank's error
-    feedback per bucket. A strategy saves
-    ``shared`` once and every rank's ``per_rank``; restoring both continues training bit for bit.
+    per bucket, the bucket layouts that memory belongs to with their parameters' names, statistics);
+    ``per_rank`` is this rank's error feedback per bucket. The ``*_pool`` entries hold memory by parameter
+    name while it moves between two bucket layouts (usually empty). A strategy saves ``shared`` once and
+    every rank's ``per_rank``; restoring both continues training bit for bit, also into a module whose
+    buckets differ (:mod:`lightning_ddpx.hooks.powersgd_remap`).
     """
 
     def __init__(
@@ -287,6 +293,8 @@ class PowerSGDState:
                 "rng_gauss": float(gauss),
                 "q": {index: q.detach().clone() for index, q in shared.q.items()},
                 "layout": {index: list(signature) for index, signature in shared.layout.items()},
+                "names": {index: list(names) for index, names in shared.names.items()},
+                "q_pool": {name: q.detach().clone() for name, q in shared.q_pool.items()},
                 "stats": {
                     "numel_before": shared.numel_before,
                     "numel_after": shared.numel_after,
@@ -294,7 +302,10 @@ class PowerSGDState:
                     "next_report": shared.next_stats_report,
                 },
             },
-            "per_rank": {"error": {index: e.detach().clone() for index, e in self.per_rank.error.items()}},
+            "per_rank": {
+                "error": {index: e.detach().clone() for index, e in self.per_rank.error.items()},
+                "error_pool": {name: e.detach().clone() for name, e in self.per_rank.error_pool.items()},
+            },
         }
 
     def load_state_dict(self, state_dict: dict[str, dict[str, Any]]) -> None:
@@ -353,13 +364,23 @@ class PowerSGDState:
             layout={int(i): tuple(int(v) for v in sig) for i, sig in shared_in["layout"].items()}
             if keep_memory
             else {},
+            names={int(i): tuple(str(n) for n in names) for i, names in shared_in.get("names", {}).items()}
+            if keep_memory
+            else {},
+            q_pool={str(n): q.detach().clone() for n, q in shared_in.get("q_pool", {}).items()}
+            if keep_memory
+            else {},
             numel_before=int(stats["numel_before"]),
             numel_after=int(stats["numel_after"]),
             per_bucket={int(i): (int(c[0]), int(c[1])) for i, c in stats["per_bucket"].items()},
             next_stats_report=int(stats["next_report"]),
         )
         errors = rank_in.get("error", {}) if keep_memory else {}
-        self.per_rank = RankMemory(error={int(i): e.detach().clone() for i, e in errors.items()})
+        error_pool = rank_in.get("error_pool", {}) if keep_memory else {}
+        self.per_rank = RankMemory(
+            error={int(i): e.detach().clone() for i, e in errors.items()},
+            error_pool={str(n): e.detach().clone() for n, e in error_pool.items()},
+        )
         self.runtime.clear()
 
     def __repr__(self) -> str:

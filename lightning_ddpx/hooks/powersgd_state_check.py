@@ -68,6 +68,9 @@ def _check(state_dict: Any, rank: int, min_compression_rate: float, batch: bool,
         for i, value in enumerate(counts):
             _integer(value, f"{where}[{i}]")
     layout = _by_bucket(shared["layout"], "['shared']['layout']", _signature)
+    _by_bucket(shared.get("names", {}), "['shared']['names']", _names)
+    _by_name(shared.get("q_pool", {}), "['shared']['q_pool']")
+    _by_name(per_rank.get("error_pool", {}), "['per_rank']['error_pool']")
     q = _by_bucket(shared["q"], "['shared']['q']", _floating)
     error = _by_bucket(per_rank.get("error", {}), "['per_rank']['error']", _floating)
     for name, memory, pick in (("['shared']['q']", q, 0), ("['per_rank']['error']", error, 1)):
@@ -155,6 +158,19 @@ def _by_bucket(value: Any, where: str, check: Any) -> dict[int, Any]:
             raise _Corrupt(f"{where} has the key {index!r}, expected bucket indices (integers >= 0)")
         checked[index] = check(item, f"{where}[{index!r}]")
     return checked
+
+
+def _names(value: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise _Corrupt(f"{where} is {_describe(value)}, expected a list of parameter names")
+    return tuple(value)
+
+
+def _by_name(value: Any, where: str) -> None:
+    for name, tensor in _mapping(value, where, ()).items():
+        if not isinstance(name, str):
+            raise _Corrupt(f"{where} has the key {name!r}, expected parameter names")
+        _floating(tensor, f"{where}[{name!r}]")
 
 
 def _describe(value: Any) -> str:

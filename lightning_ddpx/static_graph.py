@@ -1,0 +1,76 @@
+"""``static_graph=True``: what the first synchronised backward recorded, and the checks against it.
+
+torch's meaning: every synchronised iteration uses the same parameters, each receiving its gradient the same
+number of times per backward. So the first synchronised backward only *records*: it counts the gradient
+hooks of every parameter and reduces all buckets at its end (a parameter's gradient may still grow until
+backward ends, e.g. when reentrant activation checkpointing runs a parameter's backward twice). Later
+iterations need no autograd-graph walk: recorded-unused parameters are marked ready when backward starts,
+a parameter is ready when its count is reached, and parameters unused on every rank keep their gradient
+(recorded once, with one allreduce of the used bitmap, instead of one per iteration).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+__all__ = ["StaticGraph"]
+
+
+class StaticGraph:
+    """Per-parameter gradient counts: this backward's, and the recorded ones (``None`` until recorded)."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = list(names)
+        self.counts: list[int] | None = None  # gradient hooks per parameter in one backward
+        self.globally_used: list[int] | None = None  # per parameter: ranks that used it (recorded)
+        self.unused: list[int] = []  # parameters recorded with no gradient on this rank
+        self.fires = [0] * len(self.names)
+        self._last_fire: dict[int, None] = {}  # recording only: parameters by their last gradient
+
+    @property
+    def recording(self) -> bool:
+        return self.counts is None
+
+    def reset(self) -> None:
+        self.fires = [0] * len(self.names)
+        self._last_fire = {}
+
+    def on_gradient(self, index: int) -> bool:
+        """Count a gradient of parameter ``index``; ``True`` once its gradient is complete (never while
+        recording: only the end of the first backward knows)."""
+        self.fires[index] += 1
+        if self.counts is None:
+            self._last_fire.pop(index, None)
+            self._last_fire[index] = None
+            return False
+        expected = self.counts[index]
+        if self.fires[index] > expected:
+            raise RuntimeError(
+                f"lightning_ddpx: static_graph=True, but parameter {self.names[index]!r} received gradient "
+                f"#{self.fires[index]} in this backward, while the first iteration recorded {expected}. The "
+                "graph changed (other parameters used, or a parameter used more often). Pass "
+                "static_graph=False (with find_unused_parameters=True if some parameters go unused)."
+            )
+        return self.fires[index] == expected
+
+    def recording_order(self) -> list[int]:
+        """Parameters in the order their gradients completed, then the unused ones: the bucket order to
+        rebuild along and the order to mark them ready at the end of the recording backward."""
+        used = list(self._last_fire)
+        return used + [i for i in range(len(self.names)) if self.fires[i] == 0]
+
+    def record(self, globally_used: list[int]) -> None:
+        self.counts = list(self.fires)
+        self.globally_used = list(globally_used)
+        self.unused = [i for i, count in enumerate(self.counts) if count == 0]
+
+    def missing_message(self, missing: Sequence[int], rank: int) -> str:
+        assert self.counts is not None
+        parts = [f"{self.names[i]!r} ({self.fires[i]} of {self.counts[i]})" for i in missing[:10]]
+        more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+        return (
+            f"lightning_ddpx (rank {rank}): static_graph=True, but parameter(s) {', '.join(parts)}{more} received "
+            "fewer gradients in this backward than the first iteration recorded. The graph changed (a "
+            "parameter unused this time, or the loss no longer depends on it). Pass static_graph=False (with "
+            "find_unused_parameters=True if some parameters go unused)."
+        )
