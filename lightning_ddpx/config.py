@@ -29,6 +29,7 @@ from lightning_ddpx.hooks import (
     build_comm_hook,
     fp16_compress_wrapper,
 )
+from lightning_ddpx.uneven import LockstepLoader, StepQueue, UnevenInputs, check_uneven_inputs
 
 __all__ = ["CommHookFn", "DDPXConfig", "DDPXConfigAttributes", "STRATEGY_NAMES", "register_strategy_names"]
 
@@ -72,9 +73,13 @@ class DDPXConfig:
     static_graph: bool = False
     # torch's init_sync: check the model across ranks and broadcast rank 0's state at construction.
     init_sync: bool = True
+    # Ranks with different numbers of training batches: "join" (replay with zero weight until all are done),
+    # "error" (raise naming each rank's batch count) or "off" (Lightning's ddp: a hang). See uneven-inputs.md.
+    uneven_inputs: UnevenInputs = "join"
 
     def __post_init__(self) -> None:
         _check_bucket_caps(self.bucket_cap_mb, self.first_bucket_cap_mb)
+        check_uneven_inputs(self.uneven_inputs)
         comm_hook = _resolve_comm_hook(self.comm_hook)
         _check_hook_arguments(comm_hook, self.comm_state, self.comm_wrapper)
         # frozen: normalise through object.__setattr__, once, here
@@ -119,6 +124,15 @@ class DDPXConfig:
             static_graph=self.static_graph,
             init_sync=self.init_sync,
         )
+
+    def wrap_training_loader(
+        self, loader: Any, process_group: dist.ProcessGroup, device: Any, steps: StepQueue, for_fabric: bool
+    ) -> Any:
+        """``loader`` iterated in lockstep across ranks (:mod:`lightning_ddpx.uneven`), unless
+        ``uneven_inputs="off"`` or there is one rank. For the Trainer a collective: every rank calls it."""
+        if self.uneven_inputs == "off" or dist.get_world_size(process_group) == 1:
+            return loader
+        return LockstepLoader(loader, self.uneven_inputs, process_group, device, steps, for_fabric)  # type: ignore[arg-type]
 
     def register_hook(self, module: DistributedDataParallel) -> Any:
         """Build the hook (a new state per module for named hooks), register it; return its state.
@@ -212,6 +226,7 @@ class DDPXConfigAttributes:
     gradient_as_bucket_view = _ConfigOption()
     static_graph = _ConfigOption()
     init_sync = _ConfigOption()
+    uneven_inputs = _ConfigOption()
     hook_name = _ConfigOption()
 
 

@@ -14,19 +14,21 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from lightning_ddpx.bucketing import BucketInfo, megabytes_to_bytes
 from lightning_ddpx.comm_stats import CommStatsSummary, StepCommStats
 from lightning_ddpx.consistency import broadcast_from_rank0, verify_same_parameters, verify_same_settings
 from lightning_ddpx.errors import waiting_for
 from lightning_ddpx.hooks.backend_support import check_bf16_hook
+from lightning_ddpx.join import DDPXJoinHook, announce, broadcast_from
 from lightning_ddpx.profiling import label
 from lightning_ddpx.reducer import CommHook, Phase, Reducer
 
 __all__ = ["DistributedDataParallel"]
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism over ``torch.distributed`` with our own bucketed, hook-driven gradient reducer.
 
     Args:
@@ -62,6 +64,8 @@ class DistributedDataParallel(nn.Module):
         init_sync: bool = True,
     ) -> None:
         super().__init__()
+        Joinable.__init__(self)  # nn.Module does not chain __init__; the join config starts disabled
+        self._join_divide_by_initial_world_size = True
         _validate_arguments(module, bucket_cap_mb, first_bucket_cap_mb)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -80,6 +84,9 @@ class DistributedDataParallel(nn.Module):
         self.first_bucket_cap_mb = first_bucket_cap_mb
         self.require_backward_grad_sync = True
         self._sync_buffers_next_forward = True  # torch: only after a forward that synchronised
+        # The rank whose buffers every forward broadcasts. The strategies' uneven-inputs handling moves it off
+        # a rank that is only replaying (lightning_ddpx.uneven); inside join() the join protocol picks it.
+        self.buffer_source_rank = 0
 
         named = list(module.named_parameters())
         self.device = _single_device(named)
@@ -122,12 +129,42 @@ class DistributedDataParallel(nn.Module):
     @torch.compiler.disable
     def _before_forward(self) -> bool:
         will_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        sync_buffers = self.broadcast_buffers and self._sync_buffers_next_forward and self.world_size > 1
+        rebuild_src, buffers_src = 0, self.buffer_source_rank
+        if self._join_config.enable:
+            rebuild_src, buffers_src = self._announce_to_joined_ranks(will_sync, sync_buffers)
         if will_sync:
             self._verify_settings_once()
-        self.reducer.prepare_forward(will_sync)
-        if self.broadcast_buffers and self._sync_buffers_next_forward and self.world_size > 1:
-            self._broadcast_buffers()
+        self.reducer.prepare_forward(will_sync, rebuild_src=rebuild_src)
+        if sync_buffers:
+            self._broadcast_buffers(buffers_src)
         return will_sync
+
+    def _announce_to_joined_ranks(self, will_sync: bool, sync_buffers: bool) -> tuple[int, int]:
+        """Inside ``join()``: tell the context and any joined rank what this forward communicates.
+
+        Returns the ranks to rebuild buckets and broadcast buffers from: ranks that joined hold stale ones.
+        """
+        work = Join.notify_join_context(self)  # raises here with throw_on_early_termination=True
+        round_ = announce(
+            self,
+            active=True,
+            will_sync=will_sync,
+            will_verify=will_sync and not self._settings_verified and self.world_size > 1,
+            will_rebuild=will_sync and self.reducer.rebuild_pending,
+            will_broadcast_buffers=sync_buffers,
+            will_share_bitmap=will_sync and self.reducer.shares_used_bitmap,
+        )
+        if work is not None:
+            work.wait()
+        divide_by_all = (
+            self._join_divide_by_initial_world_size or self._join_config.throw_on_early_termination
+        )
+        self.reducer.set_divisor(self.world_size if divide_by_all else len(round_.active))
+        return (
+            round_.rebuild_src if round_.rebuild_src is not None else 0,
+            round_.buffers_src if round_.buffers_src is not None else 0,
+        )
 
     @torch.compiler.disable
     def _after_forward(self, output: Any, will_sync: bool) -> None:
@@ -137,14 +174,17 @@ class DistributedDataParallel(nn.Module):
         else:
             self.reducer.disarm()
 
-    def _broadcast_buffers(self) -> None:
+    def _broadcast_buffers(self, src: int = 0) -> None:
         buffers = list(self.module.buffers())
         if buffers:
             with label("lightning_ddpx::broadcast_buffers"):
                 with waiting_for(
-                    "rank 0's buffers before forward (broadcast_buffers=True)", self.process_group
+                    f"rank {src}'s buffers before forward (broadcast_buffers=True)", self.process_group
                 ):
-                    broadcast_from_rank0(buffers, self.process_group)
+                    if src == 0:
+                        broadcast_from_rank0(buffers, self.process_group)
+                    else:
+                        broadcast_from(buffers, self.process_group, src)
 
     def prepare_for_backward(self, outputs: Any) -> None:
         """Make the next backward synchronise, for a backward whose forward did not end in :meth:`forward`.
@@ -214,6 +254,46 @@ class DistributedDataParallel(nn.Module):
             yield
         finally:
             self.require_backward_grad_sync = previous
+
+    # ---------------------------------------------------------------------------------- uneven inputs
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """Train on uneven inputs: ``with model.join(): for batch in my_batches: ...`` (torch's semantics).
+
+        A rank that runs out of batches leaves the loop and, inside the context's exit, shadows the others'
+        collectives with zero gradients (through the registered hook, so PowerSGD's collectives match too)
+        until every rank has run out; then every rank takes the model of the last rank to finish.
+        Gradients are averaged over the initial world size, or, with ``divide_by_initial_world_size=False``,
+        over the ranks still training (default hook only: a registered hook divides as it always does,
+        as in torch). ``throw_on_early_termination=True`` raises on every rank at the first forward after
+        one rank ran out, instead. Equivalent to ``torch.distributed.algorithms.join.Join([model], ...)``;
+        collectives outside this module (e.g. SyncBatchNorm, all_gather in the loop) are not shadowed:
+        use ``throw_on_early_termination=True`` with those, as torch advises.
+        """
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook torch's ``Join`` runs on a rank that has joined (``divide_by_initial_world_size``)."""
+        return DDPXJoinHook(
+            self, divide_by_initial_world_size=kwargs.get("divide_by_initial_world_size", True)
+        )
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self.process_group
 
     # ------------------------------------------------------------------------------------- comm hooks
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:

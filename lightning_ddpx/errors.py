@@ -44,10 +44,14 @@ def describe_failure(what: str, process_group: dist.ProcessGroup | None, error: 
         cause = f"{peer} exited or crashed (check its log for the first error)"
     else:
         cause = "the collective failed"
+    from lightning_ddpx.diagnosis import peer_report  # imports this module: import late
+
+    peers = peer_report(process_group)
     return (
-        f"lightning_ddpx (rank {rank}): {cause} while waiting for {what}. Collectives time out after {limit}; "
-        "to wait longer pass timeout=datetime.timedelta(...) to init_process_group or to DDPXStrategy. "
-        f"Underlying error: {text}"
+        f"lightning_ddpx (rank {rank}): {cause} while waiting for {what}. "
+        + (f"{peers} " if peers else "")
+        + f"Collectives time out after {limit}; to wait longer pass timeout=datetime.timedelta(...) to "
+        f"init_process_group or to DDPXStrategy. Underlying error: {text}"
     )
 
 

@@ -17,11 +17,13 @@ with Fabric's strategy registry.
 from __future__ import annotations
 
 import logging
+import weakref
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Literal, Mapping, Optional, Union
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -29,8 +31,9 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.types import _PATH
-from torch import nn
+from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_ddpx import local_replicas, post_local_sgd_setup
@@ -43,6 +46,7 @@ from lightning_ddpx.distributed import DistributedDataParallel
 from lightning_ddpx.hooks import PostLocalSGDOptions, PowerSGDOptions
 from lightning_ddpx.model_averaging import ModelAverager
 from lightning_ddpx.process_exit import destroy_process_group_at_exit
+from lightning_ddpx.uneven import StepInfo, StepQueue, UnevenInputs
 
 __all__ = ["DDPXStrategy", "take_comm_stats"]
 
@@ -66,6 +70,9 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             of each model with a post-local SGD hook are averaged after ``optimizer.step()`` when due.
         bucket_cap_mb, first_bucket_cap_mb, find_unused_parameters, broadcast_buffers,
             gradient_as_bucket_view: passed to :class:`lightning_ddpx.DistributedDataParallel`.
+        uneven_inputs: ``"join"`` (default), ``"error"`` or ``"off"``, as in the Trainer strategy, for the
+            loaders passed to ``fabric.setup_dataloaders`` when iterated with gradients enabled (Fabric cannot
+            tell training from evaluation loaders; an evaluation loop under ``torch.no_grad()`` is left alone).
     """
 
     def __init__(
@@ -97,6 +104,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         forward_sync_buffers: Optional[bool] = None,
         skip_all_reduce_unused_params: bool = False,
         batched_grad_copy: bool = False,
+        uneven_inputs: UnevenInputs = "join",
         **kwargs: Any,
     ) -> None:
         # Validate before Fabric sees the strategy: a typo fails at once, not after launch.
@@ -122,6 +130,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             init_sync=init_sync,
             skip_all_reduce_unused_params=skip_all_reduce_unused_params,
             batched_grad_copy=batched_grad_copy,
+            uneven_inputs=uneven_inputs,
         )
         super().__init__(
             accelerator=accelerator,
@@ -136,6 +145,8 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         self._backward_sync_control = _DDPXBackwardSyncControl()
         # post-local SGD: (model, its averager) for each model set up with the hook, averaged after steps
         self._averaged: list[tuple[DistributedDataParallel, ModelAverager]] = []
+        self._uneven_steps = StepQueue(on_push=self._on_batch_fetched)
+        self._modules: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
 
     @property
     @override
@@ -171,7 +182,43 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         averager = post_local_sgd_setup.averager_for(state, self.model_averaging_period)
         if averager is not None:
             self._averaged.append((wrapped, averager))
+        self._modules.add(wrapped)
         return wrapped
+
+    # ---------------------------------------------------------------------------------- uneven inputs
+    @override
+    def process_dataloader(self, dataloader: DataLoader) -> DataLoader:
+        """Loaders are iterated in lockstep across ranks (``uneven_inputs``), except in loops entered with
+        gradients disabled (evaluation, possibly on rank 0 alone)."""
+        return self.ddpx_config.wrap_training_loader(
+            dataloader, dist.group.WORLD, self.root_device, self._uneven_steps, for_fabric=True
+        )
+
+    @property
+    def replaying(self) -> bool:
+        """Whether the batch just fetched is a replay (this rank ran out, others did not): its backward
+        counts zero. Skip metric updates and sample counts on such batches."""
+        latest = self._uneven_steps.latest
+        return latest is not None and latest.replay
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()  # ddpx_spawn pickles the strategy; weak references do not pickle
+        state["_modules"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._modules = weakref.WeakSet()
+
+    def _on_batch_fetched(self, info: StepInfo) -> None:
+        for wrapped in self._modules:  # the next forward broadcasts buffers from a rank with a real batch
+            wrapped.buffer_source_rank = info.authority
+
+    @override
+    def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
+        if self.replaying:
+            tensor = tensor * 0.0  # same code and collectives as a real step, zero gradient from this rank
+        super().backward(tensor, module, *args, **kwargs)
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:

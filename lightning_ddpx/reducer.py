@@ -24,6 +24,7 @@ from lightning_ddpx.backward_start import attach_backward_start
 from lightning_ddpx.bucketing import BucketInfo, BucketSpec, plan_buckets
 from lightning_ddpx.comm_stats import CommStatsWindow, StepCommStats
 from lightning_ddpx.cuda_streams import current_stream, on_stream, wait_streams
+from lightning_ddpx.diagnosis import ProgressBoard, check_same_sequence, dtype_code
 from lightning_ddpx.errors import CommunicationError, waiting_for
 from lightning_ddpx.grad_bucket import (
     GradBucket,
@@ -129,6 +130,10 @@ class Reducer:
         self.collect_stats = True  # off only to measure what collecting costs (benchmarks/bench_stats.py)
         self.stats_window = CommStatsWindow()
         self.plan_history: list[tuple[int, list[BucketInfo]]] = []  # (iterations synced before, plan)
+        self.progress = ProgressBoard(process_group)  # what this rank last started, for hang reports
+        # Synchronising forwards and reductions so far, shadowed ones (join) included: DDPX_DEBUG compares them.
+        self._forwards_armed = 0
+        self._reductions = 0
         self._install_plan(list(reversed(range(len(self.params)))))
         self._handles = [
             p.register_post_accumulate_grad_hook(self._make_grad_hook(i)) for i, p in enumerate(self.params)
@@ -193,8 +198,9 @@ class Reducer:
         self._launcher = InlineLauncher() if issues_collectives_on_call(hook) else SequencedLauncher()
 
     # -------------------------------------------------------------------------------------- forward
-    def prepare_forward(self, will_sync: bool) -> None:
-        """Called before each forward: refuses to start over an unfinished reduction, rebuilds buckets."""
+    def prepare_forward(self, will_sync: bool, rebuild_src: int = 0) -> None:
+        """Called before each forward: refuses to start over an unfinished reduction, rebuilds buckets
+        (from ``rebuild_src``'s observed order: rank 0's, unless it joined with uneven inputs)."""
         self._synced_since_forward = False
         if self.phase is Phase.REDUCING:
             self._abandon_iteration()
@@ -204,7 +210,76 @@ class Reducer:
                 "interrupted. Ranks may now be out of step; restart from a checkpoint."
             )
         if will_sync and self._rebuild_pending:
-            self._rebuild_buckets()
+            self._rebuild_buckets(rebuild_src)
+
+    @property
+    def rebuild_pending(self) -> bool:
+        """Buckets will be re-planned at the next synchronising forward (after the first backward)."""
+        return self._rebuild_pending
+
+    def set_divisor(self, count: int) -> None:
+        """Average over ``count`` ranks from now on (default path only: a registered hook divides itself).
+
+        ``join(divide_by_initial_world_size=False)`` sets the number of ranks still training, as torch does.
+        """
+        if self._scale_on_copy is not None:
+            self._scale_on_copy = 1.0 / count
+
+    # ----------------------------------------------------------------------------------- uneven inputs
+    def rebuild_buckets_from(self, src: int) -> None:
+        """A joined rank takes part in the active ranks' bucket rebuild (it never rebuilds again)."""
+        self._rebuild_buckets(src)
+        self._ready_order = None
+
+    @property
+    def shares_used_bitmap(self) -> bool:
+        """Whether a synchronised backward now all-reduces the used-parameter bitmap after its buckets."""
+        if self.static is not None:
+            return self.static.recording
+        return self.find_unused_parameters
+
+    def shadow_reduction(self, bitmap: bool) -> None:
+        """Reduce one iteration with zero gradients, as a rank that has joined (see :mod:`lightning_ddpx.join`).
+
+        Every bucket goes through the registered hook, in bucket order, exactly like a real backward, then
+        the used-parameter bitmap (all zeros) when the active ranks share theirs (``bitmap``); results are
+        discarded.
+        """
+        if self.phase is not Phase.IDLE:
+            raise RuntimeError(
+                "lightning_ddpx: a joined rank cannot shadow while its own backward is reducing"
+            )
+        hook, state = self.hook, self.hook_state
+        launched: list[tuple[int, torch.futures.Future]] = []
+        with label("lightning_ddpx::join_shadow"):
+            for b, bucket in enumerate(self.buckets):
+                zeros = torch.zeros_like(bucket.buffer)
+                views = [
+                    zeros[offset : offset + p.numel()].view_as(p)
+                    for offset, p in zip(bucket.spec.offsets, bucket.params)
+                ]
+                grad_bucket = GradBucket(
+                    b, zeros, views, bucket.params, b == len(self.buckets) - 1, names=bucket.names
+                )
+                self.progress.record(
+                    f"bucket {b} of {len(self.buckets)} ({_hook_name(hook)}), shadowing (joined)"
+                )
+                call: Callable[[], torch.futures.Future] = lambda gb=grad_bucket: hook(state, gb)  # noqa: E731
+                if self.progress.debug:  # counted as if this rank ran the forward it shadows
+                    call = self._checked(call, b, (self._forwards_armed + 1, self._reductions + 1))
+                launched.append((b, self._launcher.submit(call)))
+            used = self._launch_used_bitmap() if bitmap else None
+            for b, future in launched:
+                what = f"bucket {b} (parameters {self._bucket_names(b)}), shadowed with zeros by this joined rank"
+                with waiting_for(what, self.process_group):
+                    future.wait()
+            if used is not None:
+                with waiting_for(
+                    "the used-parameter bitmap, shadowed by this joined rank", self.process_group
+                ):
+                    used.wait()
+        self._forwards_armed += 1
+        self._reductions += 1
 
     def prepare_backward(self, outputs: Any) -> None:
         """Called after a synchronising forward: arm reduction, and find unused parameters if asked.
@@ -213,6 +288,7 @@ class Reducer:
         the end-of-backward callback belongs to the outermost backward, or at the first gradient hook.
         """
         self.phase = Phase.ARMED
+        self._forwards_armed += 1
         if self.static is not None:
             self._forward_unused = set(self.static.unused)  # empty while recording: nothing is known yet
         elif self.find_unused_parameters:
@@ -324,8 +400,27 @@ class Reducer:
                 b, bucket.buffer, bucket.views, bucket.params, b == len(self.buckets) - 1, sent_log,
                 names=bucket.names,
             )  # fmt: skip
+            self.progress.record(
+                f"bucket {b} of {len(self.buckets)} ({_hook_name(self.hook)}) in iteration {self.iterations_synced + 1}"
+            )
             call = on_stream(stream, self._hook_call(grad_bucket, bucket.nbytes))  # also on the comm thread
+            if self.progress.debug:
+                call = self._checked(call, b, (self._forwards_armed, self._reductions + 1))
             self._futures[b] = self._launcher.submit(call)
+
+    def _checked(
+        self, call: Callable[[], torch.futures.Future], b: int, counters: tuple[int, int]
+    ) -> Callable[[], torch.futures.Future]:
+        """``call`` preceded by DDPX_DEBUG's check that every rank reduces this same bucket now."""
+        spec = self.buckets[b].spec
+        signature = (*counters, b, spec.numel, dtype_code(spec.dtype))
+        group, device = self.process_group, self.buckets[b].buffer.device
+
+        def checked() -> torch.futures.Future:
+            check_same_sequence(group, device, signature, f"bucket {b} before its hook")
+            return call()
+
+        return checked
 
     def _other_producing_streams(self, bucket: _Bucket, stream: Any) -> list[Any]:
         """CUDA: streams other than ``stream`` that produced gradients of this bucket (usually none)."""
@@ -451,6 +546,7 @@ class Reducer:
         self.stats_window.add(stats)
 
     def _launch_used_bitmap(self) -> torch.futures.Future:
+        self.progress.record(f"the used-parameter bitmap in iteration {self.iterations_synced + 1}")
         bitmap = torch.tensor(
             list(self._locally_used), dtype=torch.int32, device=self.buckets[0].buffer.device
         )
@@ -460,7 +556,10 @@ class Reducer:
     def _result_of(self, b: int) -> torch.Tensor:
         future = self._futures[b]
         assert future is not None, f"bucket {b} was never launched"
-        what = f"bucket {b} (parameters {self._bucket_names(b)}) to be reduced by {_hook_name(self.hook)}"
+        what = (
+            f"bucket {b} (parameters {self._bucket_names(b)}) of iteration {self.iterations_synced + 1} to be "
+            f"reduced by {_hook_name(self.hook)}"
+        )
         try:
             with waiting_for(what, self.process_group):
                 value = future.wait()
@@ -518,6 +617,7 @@ class Reducer:
 
     def _end_iteration(self, succeeded: bool) -> None:
         self.phase = Phase.IDLE
+        self._reductions += 1
         self._remove_start_hooks()
         self._synced_since_forward = succeeded
         if succeeded:
@@ -543,13 +643,16 @@ class Reducer:
                     pass
 
     # -------------------------------------------------------------------------------------- rebuild
-    def _rebuild_buckets(self) -> None:
-        """Re-plan buckets along the ready order rank 0 observed, so all ranks agree on the layout."""
-        order = torch.tensor(self._observed_order, dtype=torch.int64)
+    def _rebuild_buckets(self, src: int = 0) -> None:
+        """Re-plan buckets along the ready order rank ``src`` observed, so all ranks agree on the layout."""
+        observed = self._observed_order
+        # a rank that joined before observing an order only receives (same size, values overwritten)
+        order = torch.tensor(observed if len(observed) == len(self.params) else range(len(self.params)))
+        order = order.to(torch.int64)
         if self.buckets[0].buffer.device.type != "cpu":
             order = order.to(self.buckets[0].buffer.device)
-        with waiting_for("rank 0's gradient ready order to rebuild buckets", self.process_group):
-            dist.broadcast(order, group=self.process_group, group_src=0)
+        with waiting_for(f"rank {src}'s gradient ready order to rebuild buckets", self.process_group):
+            dist.broadcast(order, group=self.process_group, group_src=src)
         self._install_plan(order.tolist())
         self._rebuild_pending = False
 
@@ -559,6 +662,7 @@ class Reducer:
             handle.remove()
         self._handles = []
         self._launcher.close()
+        self.progress.close()
 
     def order_state(self) -> dict[str, Any]:
         """The bucket layout as plain values: parameter names in buffer order, and whether it was rebuilt."""

@@ -33,7 +33,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -49,6 +49,7 @@ from lightning_ddpx.errors import waiting_for
 from lightning_ddpx.hooks import PostLocalSGDOptions, PowerSGDOptions
 from lightning_ddpx.model_averaging import ModelAverager
 from lightning_ddpx.process_exit import destroy_process_group_at_exit
+from lightning_ddpx.uneven import StepQueue, UnevenInputs
 
 __all__ = ["DDPXStrategy"]
 
@@ -86,6 +87,11 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         comm_stats_every_n_steps: log communication statistics (bytes to the hook and sent, compression
             ratio, time in hooks, exposed communication; per-step means, rank 0's) to the Trainer's loggers
             under ``ddpx/`` every N synchronised steps. ``None`` (default): nothing is logged.
+        uneven_inputs: what to do when ranks have different numbers of training batches (an
+            IterableDataset, ``use_distributed_sampler=False``, a custom sampler): ``"join"`` (default) keeps
+            every rank stepping until the last one runs out, ranks that ran out replaying a batch with zero
+            weight; ``"error"`` raises on every rank naming each rank's batch count; ``"off"`` does nothing
+            (Lightning's ``ddp``: the job hangs until the timeout). See ``docs/uneven-inputs.md``.
 
     The options are read back as attributes (``strategy.comm_hook``, ``strategy.powersgd``, ...) from
     ``strategy.ddpx_config``, the :class:`~lightning_ddpx.config.DDPXConfig` shared with the Fabric strategy
@@ -124,6 +130,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         forward_sync_buffers: Optional[bool] = None,
         skip_all_reduce_unused_params: bool = False,
         batched_grad_copy: bool = False,
+        uneven_inputs: UnevenInputs = "join",
         **kwargs: Any,
     ) -> None:
         # Validate everything before Lightning sees the strategy: a typo fails at once, not after launch.
@@ -150,6 +157,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             init_sync=init_sync,
             skip_all_reduce_unused_params=skip_all_reduce_unused_params,
             batched_grad_copy=batched_grad_copy,
+            uneven_inputs=uneven_inputs,
         )
         super().__init__(
             accelerator=accelerator,
@@ -175,6 +183,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         self._averager: Optional[ModelAverager] = None  # post-local SGD: averages after optimizer_step
         self._pending_replica: Optional[dict[str, Any]] = None  # this rank's weights from a checkpoint
         self.comm_stats_every_n_steps = comm_stats_every_n_steps
+        self._uneven_steps = StepQueue()  # what the ranks agreed for each fetched training batch
 
     # ------------------------------------------------------------------------------------ description
     @property
@@ -275,6 +284,39 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         log.debug(f"{type(self).__name__}: registering comm hook {self.hook_name}")
         self._hook_state = self.ddpx_config.register_hook(self.model)
         self._hook_registered = True
+
+    # ---------------------------------------------------------------------------------- uneven inputs
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Training loaders are iterated in lockstep across ranks (``uneven_inputs``); others untouched."""
+        dataloader = super().process_dataloader(dataloader)
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if trainer is None or trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        return self.ddpx_config.wrap_training_loader(
+            dataloader, dist.group.WORLD, self.root_device, self._uneven_steps, for_fabric=False
+        )
+
+    @property
+    def replaying(self) -> bool:
+        """Whether this rank's current training batch is a replay (its own batches ran out, others' not):
+        its backward counts zero. Callbacks that count samples or update metrics may skip such steps."""
+        return self._uneven_steps.replaying
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        info = self._uneven_steps.advance()
+        if info is not None and isinstance(self.model, DistributedDataParallel):
+            self.model.buffer_source_rank = info.authority  # not a rank that is only replaying
+        super().on_train_batch_start(batch, batch_idx)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
+        if self._uneven_steps.replaying:
+            # Same code, same collectives as a real step, zero gradient from this rank (see uneven.py).
+            closure_loss = closure_loss * 0.0
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     # ------------------------------------------------------------------------------ forward / backward
     @override

@@ -1,0 +1,240 @@
+"""Hang diagnosis: what every rank was last doing, and (``DDPX_DEBUG=1``) a check that ranks reduce in step.
+
+1. **Progress board.** Each rank keeps its last started collective in memory (a string assignment per
+   bucket) and copies it into the process group's store under one key per rank
+   (``lightning_ddpx/progress/<rank>``, overwritten, so the store stays bounded) at most every
+   ``PROGRESS_INTERVAL_S`` seconds, or at every record with ``DDPX_DEBUG=1``. When a collective fails or
+   times out, :func:`peer_report` first writes this rank's exact state, waits briefly for the other ranks'
+   own final writes, and reads every rank's key -- no collective, so it works while the group is broken.
+   A rank that died or is busy elsewhere shows its last periodic record and how old it is.
+2. **Sequence check** (``DDPX_DEBUG=1``, like ``TORCH_DISTRIBUTED_DEBUG=DETAIL``): before each bucket is
+   handed to the hook, the ranks all-gather (synchronising forwards so far, iteration, bucket, size, dtype)
+   and raise :class:`CollectiveMismatchError` on every rank, naming the first rank and bucket that differ,
+   instead of pairing the wrong collectives or hanging. One small all-gather per bucket: for debugging.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from lightning_ddpx.errors import CommunicationError
+
+__all__ = [
+    "DEBUG_ENV",
+    "PROGRESS_INTERVAL_S",
+    "CollectiveMismatchError",
+    "ProgressBoard",
+    "check_same_sequence",
+    "debug_enabled",
+    "peer_report",
+]
+
+DEBUG_ENV = "DDPX_DEBUG"
+PROGRESS_INTERVAL_S = 0.5  # store writes per rank at most this often (one TCP round trip each)
+_STORE_TIMEOUT_S = 1.0  # longest a store operation of the diagnosis may block
+_FINAL_GRACE_S = 1.0  # how long a failing rank waits for the other ranks' final records
+_KEY = "lightning_ddpx/progress/{rank}"
+_BOARDS: dict[int, ProgressBoard] = {}  # id(process group) -> the board of the latest module on it
+
+
+def debug_enabled() -> bool:
+    """``DDPX_DEBUG=1`` (or ``true``/``detail``): check bucket sequences and record progress precisely."""
+    return os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "detail")
+
+
+class CollectiveMismatchError(CommunicationError):
+    """``DDPX_DEBUG=1`` found ranks about to reduce different buckets (a skipped or extra backward)."""
+
+
+class ProgressBoard:
+    """This rank's last started collective, in memory and (rate-limited) in the process group's store.
+
+    The training thread never touches the store: it assigns a string and, when a write is due, wakes a
+    writer thread. A store that cannot be reached (its host died, the link is down) then delays nothing
+    but the diagnosis, and the failure report itself is bounded in time.
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup, debug: bool | None = None) -> None:
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self.debug = debug_enabled() if debug is None else debug
+        self.last = "nothing yet"
+        self._written_at = float("-inf")
+        self._stamp = 0.0  # wall time of the record the writer thread writes next
+        self._store = _store_of(process_group)
+        self._wake = threading.Event()
+        self._writer: threading.Thread | None = None
+        self._closed = False
+        _BOARDS[id(process_group)] = self
+
+    def record(self, what: str) -> None:
+        """Note that this rank starts ``what``; cheap (a store write, when due, happens on another thread)."""
+        self.last = what
+        now = time.monotonic()
+        if self.debug or now - self._written_at >= PROGRESS_INTERVAL_S:
+            self._written_at = now
+            self._stamp = time.time()
+            if self._writer is None and self._store is not None:
+                self._writer = threading.Thread(
+                    target=self._serve, name="lightning_ddpx-progress", daemon=True
+                )
+                self._writer.start()
+            self._wake.set()
+
+    def close(self) -> None:
+        """Stop the writer thread (the module is closed)."""
+        self._closed = True
+        self._wake.set()
+
+    def _serve(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._closed or self._store is None:
+                return
+            self._write("P", self.last, self._stamp)
+
+    def _write(self, kind: str, what: str, stamp: float) -> None:
+        store = self._store
+        if store is None:
+            return
+        try:
+            store.set(_KEY.format(rank=self.rank), f"{kind}|{stamp:.3f}|{what}")
+        except Exception:  # noqa: BLE001 - diagnosis must never break training; the store may be gone
+            self._store = None
+
+    def report(self, grace_s: float = _FINAL_GRACE_S) -> str:
+        """Every other rank's last record (waiting up to ``grace_s`` for their final ones), as one sentence.
+
+        Runs on a helper thread and gives up after ``grace_s`` + ``_STORE_TIMEOUT_S``: an unreachable store
+        must not hold back the error it decorates.
+        """
+        answer: list[str] = []
+        helper = threading.Thread(target=lambda: answer.append(self._read_peers(grace_s)), daemon=True)
+        helper.start()
+        helper.join(grace_s + _STORE_TIMEOUT_S + 0.5)
+        if answer:
+            return answer[0]
+        return (
+            "What the other ranks were doing is unknown: the process group's store did not answer (it lives on "
+            "rank 0's host: that host or the link to it may be down)."
+        )
+
+    def _read_peers(self, grace_s: float) -> str:
+        self._write("F", self.last, time.time())
+        store = self._store
+        if store is None:
+            return "What the other ranks were doing is unknown: the process group's store is unreachable."
+        keys = {r: _KEY.format(rank=r) for r in range(self.world_size) if r != self.rank}
+        deadline = time.monotonic() + grace_s
+        records: dict[int, str] = {}
+        try:
+            while True:
+                for r, key in keys.items():
+                    if store.check([key]):
+                        records[r] = store.get(key).decode()
+                if all(v.startswith("F|") for v in records.values()) and len(records) == len(keys):
+                    break
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.1)
+        except Exception:  # noqa: BLE001 - rank 0 hosts the store: it may have died
+            if not records:
+                return (
+                    "What the other ranks were doing is unknown: the process group's store stopped answering "
+                    "(it lives on rank 0, which may have died)."
+                )
+        return (
+            "Other ranks, last started: "
+            + "; ".join(_describe_record(r, records.get(r)) for r in sorted(keys))
+            + "."
+        )
+
+
+def _describe_record(rank: int, record: str | None) -> str:
+    if record is None:
+        return f"rank {rank}: no record (it has not started a collective of this module)"
+    kind, stamp, what = record.split("|", 2)
+    age = max(0.0, time.time() - float(stamp))
+    if kind == "F":
+        return f"rank {rank}: {what} (it failed too, {age:.1f} s ago)"
+    return (
+        f"rank {rank}: {what} (recorded {age:.1f} s ago and not failed since: it may be dead, stuck outside "
+        "lightning_ddpx's collectives (data loading, a collective of its own), or slow)"
+    )
+
+
+def peer_report(process_group: dist.ProcessGroup | None) -> str | None:
+    """What the other ranks last did, for a communication error on ``process_group`` (``None``: unknown)."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    board = _BOARDS.get(id(group))
+    return board.report() if board is not None else None
+
+
+def _store_of(process_group: dist.ProcessGroup) -> dist.Store | None:
+    """A private client of the group's store with a short timeout: a report must not wait for a dead link."""
+    try:
+        store = dist.distributed_c10d._get_process_group_store(process_group)
+    except Exception:  # noqa: BLE001 - private API; fall back to the default store
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except Exception:  # noqa: BLE001
+            return None
+    try:
+        store = store.clone()
+        store.set_timeout(timedelta(seconds=_STORE_TIMEOUT_S))
+    except Exception:  # noqa: BLE001 - stores that cannot clone: use the shared client
+        pass
+    return store
+
+
+# ------------------------------------------------------------------------------------ sequence check
+_DTYPE_CODES = {dtype: code for code, dtype in enumerate(
+    (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
+)}  # fmt: skip
+_FIELDS = ("synchronising forwards", "iteration", "bucket", "elements", "dtype code")
+
+
+def check_same_sequence(
+    process_group: dist.ProcessGroup, device: torch.device, signature: Sequence[int], where: str
+) -> None:
+    """All-gather ``signature`` (see ``_FIELDS``); raise on every rank if any rank's differs from rank 0's."""
+    world_size = dist.get_world_size(process_group)
+    mine = torch.tensor(list(signature), dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(gathered, mine, group=process_group)
+    rows = [g.tolist() for g in gathered]
+    bad = next((r for r in range(world_size) if _differs(rows[r], rows[0])), None)
+    if bad is None:
+        return
+    field = next(
+        i for i in range(len(_FIELDS)) if rows[bad][i] != rows[0][i] and min(rows[bad][i], rows[0][i]) >= 0
+    )
+    per_rank = "; ".join(
+        f"rank {r}: " + ", ".join(f"{name} {value}" for name, value in zip(_FIELDS, row))
+        for r, row in enumerate(rows)
+    )
+    raise CollectiveMismatchError(
+        f"lightning_ddpx ({DEBUG_ENV}=1, checking {where}): rank {bad} is about to reduce bucket {rows[bad][2]} "
+        f"with {_FIELDS[field]} {rows[bad][field]}, but rank 0 reduces bucket {rows[0][2]} with {rows[0][field]}. "
+        f"Per rank: {per_rank}. A rank skipped a backward or ran an extra synchronising forward (e.g. a "
+        "data-dependent branch or an early 'continue'), or ranks built different models; make every rank run "
+        "the same forward/backward sequence, or run the extra ones inside no_sync()."
+    )
+
+
+def _differs(row: list[int], reference: list[int]) -> bool:
+    """-1 is a wildcard: a rank shadowing inside ``join()`` has no forward or iteration count of its own."""
+    return any(a != b and a >= 0 and b >= 0 for a, b in zip(row, reference))
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    return _DTYPE_CODES.get(dtype, 99)

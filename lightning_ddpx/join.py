@@ -1,0 +1,152 @@
+"""Uneven inputs on the module: torch's ``join()`` protocol for :class:`lightning_ddpx.DistributedDataParallel`.
+
+torch's :class:`~torch.distributed.algorithms.join.Join` drives it: every forward of a rank that still has
+inputs first calls ``Join.notify_join_context`` (an allreduce of "I have not joined"); a rank that ran out
+sits in ``Join.__exit__`` matching that allreduce and, while some rank is still training, runs our
+:class:`DDPXJoinHook.main_hook` once per forward of the others. The hook *shadows* the iteration: it issues
+the same collectives, in the same order, with zero contributions.
+
+What the shadowing rank must mirror depends on the active ranks (do they synchronise this forward, rebuild
+buckets, broadcast buffers?), which it cannot know by itself -- a rank with no inputs at all never saw a
+backward. torch answers one of these questions with a flag allreduce per forward; here one small allreduce
+(:func:`announce`) carries all of them, per rank, so the shadow follows the active ranks exactly:
+
+    active rank:  [notify] -> announce(mine)  -> verify? -> rebuild? -> buffers? -> forward -> buckets -> bitmap
+    joined rank:  [count]  -> announce(zeros) -> verify? -> rebuild? -> buffers? ------------> buckets -> bitmap
+
+Buckets are reduced by the registered communication hook on zero buffers, so stateful hooks (PowerSGD:
+its P and Q allreduces, its iteration counter) issue the same collectives on every rank. When all ranks
+have joined, the model of the last rank to join is broadcast to all (torch's ``_sync_final_model``).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import JoinHook, _JoinConfig
+
+from lightning_ddpx.errors import waiting_for
+
+if TYPE_CHECKING:
+    from lightning_ddpx.distributed import DistributedDataParallel
+
+__all__ = ["DDPXJoinHook", "JoinRound", "announce", "broadcast_from"]
+
+# Rows of the per-forward announcement; one column per rank.
+_ACTIVE, _SYNC, _VERIFY, _REBUILD, _BUFFERS, _BITMAP = range(6)
+
+
+@dataclass(frozen=True)
+class JoinRound:
+    """What the ranks that have not joined announced for one forward."""
+
+    active: tuple[int, ...]  # ranks that still have inputs
+    syncing: bool  # this forward's backward reduces gradients (not no_sync, grad enabled)
+    verify: bool  # the ranks compare their settings (their first synchronising forward)
+    bitmap: bool  # their backward all-reduces the used-parameter bitmap after the buckets
+    rebuild_src: int | None  # the rank whose observed gradient order rebuilds the buckets, if any
+    buffers_src: int | None  # the rank whose buffers are broadcast before forward, if any
+
+
+def announce(
+    module: DistributedDataParallel,
+    active: bool,
+    will_sync: bool = False,
+    will_verify: bool = False,
+    will_rebuild: bool = False,
+    will_broadcast_buffers: bool = False,
+    will_share_bitmap: bool = False,
+) -> JoinRound:
+    """One allreduce telling every rank (joined ones included) what this forward will communicate.
+
+    A joined rank calls it with ``active=False``: it contributes nothing and learns what to shadow.
+    """
+    world_size, rank = module.world_size, module.rank
+    module.reducer.progress.record(
+        "the join() announcement before a forward" + ("" if active else " (shadowing)")
+    )
+    flags = torch.zeros(6, world_size, dtype=torch.int32, device=module.device)
+    if active:
+        flags[_ACTIVE, rank] = 1
+        flags[_SYNC, rank] = int(will_sync)
+        flags[_VERIFY, rank] = int(will_verify)
+        flags[_REBUILD, rank] = int(will_rebuild)
+        flags[_BUFFERS, rank] = int(will_broadcast_buffers)
+        flags[_BITMAP, rank] = int(will_share_bitmap)
+    with waiting_for(
+        "the other ranks' join announcement for this forward (uneven inputs)", module.process_group
+    ):
+        dist.all_reduce(flags, group=module.process_group)
+    rows = flags.cpu().tolist()
+    ranks = tuple(r for r in range(world_size) if rows[_ACTIVE][r])
+    rebuilders = [r for r in range(world_size) if rows[_REBUILD][r]]
+    return JoinRound(
+        active=ranks,
+        syncing=any(rows[_SYNC]),
+        verify=any(rows[_VERIFY]),
+        bitmap=any(rows[_BITMAP]),
+        rebuild_src=min(rebuilders) if rebuilders else None,
+        # torch's choice: the highest rank that has not joined holds the freshest buffers
+        buffers_src=max(ranks) if any(rows[_BUFFERS]) and ranks else None,
+    )
+
+
+class DDPXJoinHook(JoinHook):
+    """Shadows the active ranks' collectives while this rank has joined; syncs the final model after."""
+
+    def __init__(self, module: DistributedDataParallel, divide_by_initial_world_size: bool) -> None:
+        super().__init__()
+        self.module = module
+        module._join_divide_by_initial_world_size = divide_by_initial_world_size
+
+    def main_hook(self) -> None:
+        module = self.module
+        reducer = module.reducer
+        round_ = announce(module, active=False)
+        if round_.verify:  # the others' first synchronising forward compares every rank's settings
+            module._settings_verified = False
+            module._verify_settings_once()
+        if round_.rebuild_src is not None:
+            reducer.rebuild_buckets_from(round_.rebuild_src)
+        if round_.buffers_src is not None:
+            with waiting_for(
+                f"rank {round_.buffers_src}'s buffers before forward (shadowing a joined rank)",
+                module.process_group,
+            ):
+                broadcast_from(list(module.module.buffers()), module.process_group, round_.buffers_src)
+        if round_.syncing:
+            reducer.shadow_reduction(bitmap=round_.bitmap)
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Every rank ends with the model of the last rank to join (ties: the highest such rank)."""
+        module = self.module
+        module._join_config = _JoinConfig.construct_disabled_join_config()
+        module.reducer.set_divisor(module.world_size)
+        candidate = torch.tensor([module.rank if is_last_joiner else -1], device=module.device)
+        with waiting_for("the last rank to join (end of join())", module.process_group):
+            dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=module.process_group)
+            src = int(candidate.item())
+            tensors = [p.detach() for p in module.module.parameters()]
+            if module.broadcast_buffers:
+                tensors += list(module.module.buffers())
+            broadcast_from(tensors, module.process_group, src)
+
+
+@torch.no_grad()
+def broadcast_from(tensors: Sequence[torch.Tensor], process_group: dist.ProcessGroup, src: int) -> None:
+    """Overwrite ``tensors`` on every rank with group rank ``src``'s values, one collective per dtype."""
+    grouped: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
+    for tensor in tensors:
+        if tensor.numel():
+            grouped[(tensor.dtype, tensor.device)].append(tensor)
+    for group in grouped.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        dist.broadcast(flat, group=process_group, group_src=src)
+        offset = 0
+        for tensor in group:
+            tensor.detach().copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()

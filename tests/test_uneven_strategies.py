@@ -1,0 +1,242 @@
+"""Uneven inputs through the strategies: ranks with 10 and 7 batches (and 10/7/0 on 3 ranks) per epoch.
+
+Every scenario must end without a hang (hard timeouts), with the same ``global_step`` and identical
+parameters on every rank, and equal (1e-5) to a one-process oracle of the semantics: at step k the gradient
+is the sum of the losses of the ranks that still have a batch k, divided by the world size, and SGD with
+momentum steps every rank. Training logs with ``sync_dist=True`` every step, and validation with
+``sync_dist=True`` runs at each epoch end, so Lightning's own collectives must stay matched.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch import seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+from tests.dist_utils import run_distributed
+from tests.strategy_helpers import TinyRegressor, make_trainer, parameters_of, quiet
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+COUNTS = {2: [10, 7], 3: [10, 7, 0]}
+EPOCHS = 2
+BATCH = 4
+
+
+def rank_batches(rank: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(count * BATCH, 8, generator=generator), torch.randn(
+        count * BATCH, 4, generator=generator
+    )
+
+
+class _Stream(IterableDataset):
+    """An unsized stream of this rank's batches (Lightning fetches one ahead to find its end)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __iter__(self):
+        for i in range(0, len(self.x), BATCH):
+            yield self.x[i : i + BATCH], self.y[i : i + BATCH]
+
+
+class UnevenRegressor(TinyRegressor):
+    def __init__(self, counts: list[int], iterable: bool = False) -> None:
+        super().__init__()
+        self.counts, self.iterable = counts, iterable
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, on_step=True, on_epoch=True, sync_dist=True)
+        return loss
+
+    def train_dataloader(self) -> DataLoader:
+        x, y = rank_batches(self.global_rank, self.counts[self.global_rank])
+        if self.iterable:
+            return DataLoader(_Stream(x, y), batch_size=None)
+        return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
+
+
+class UnevenManual(UnevenRegressor):
+    """The same training in manual optimisation: manual_backward of a replayed batch counts zero too."""
+
+    def __init__(self, counts: list[int], iterable: bool = False) -> None:
+        super().__init__(counts, iterable)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        self.manual_backward(loss)
+        optimizer.step()
+
+
+def oracle(counts: list[int], epochs: int, accumulate: int = 1) -> dict[str, torch.Tensor]:
+    seed_everything(0, verbose=False)
+    model = TinyRegressor()
+    optimizer = model.configure_optimizers()
+    data = [rank_batches(r, n) for r, n in enumerate(counts)]
+    for _ in range(epochs):
+        for first in range(0, max(counts), accumulate):
+            optimizer.zero_grad()
+            for k in range(first, min(first + accumulate, max(counts))):
+                losses = [
+                    nn.functional.mse_loss(
+                        model(x[k * BATCH : (k + 1) * BATCH]), y[k * BATCH : (k + 1) * BATCH]
+                    )
+                    for (x, y), n in zip(data, counts)
+                    if k < n
+                ]
+                (sum(losses) / len(counts) / accumulate).backward()
+            optimizer.step()
+    return parameters_of(model)
+
+
+def _fit(
+    world_size: int, iterable: bool = False, manual: bool = False, **kwargs: Any
+) -> tuple[Any, UnevenRegressor]:
+    from lightning_ddpx import DDPXStrategy
+
+    seed_everything(0, verbose=False)
+    model = (UnevenManual if manual else UnevenRegressor)(COUNTS[world_size], iterable)
+    strategy = DDPXStrategy(uneven_inputs=kwargs.pop("uneven_inputs", "join"), bucket_cap_mb=0.0005)
+    options = dict(max_epochs=EPOCHS, max_steps=-1, devices=world_size, use_distributed_sampler=False)
+    options.update(limit_val_batches=2, num_sanity_val_steps=0)
+    options.update(kwargs)
+    ckpt_path = options.pop("ckpt_path", None)
+    trainer = make_trainer(strategy, **options)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return trainer, model
+
+
+def trainer_job(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    quiet()
+    from lightning_ddpx.uneven import UnevenInputsError
+
+    out: dict[str, Any] = {}
+    for iterable in (False, True):
+        trainer, model = _fit(world_size, iterable)
+        out[f"iterable={iterable}"] = (trainer.global_step, parameters_of(model))
+    trainer, model = _fit(world_size, manual=True)
+    out["manual"] = (trainer.global_step, parameters_of(model))
+    trainer, model = _fit(world_size, accumulate_grad_batches=2)  # replays inside no_sync windows too
+    out["accumulate"] = (trainer.global_step, parameters_of(model))
+    try:
+        _fit(world_size, uneven_inputs="error")
+        out["error"] = "no error"
+    except UnevenInputsError as error:
+        out["error"] = str(error)
+    # a checkpoint in the uneven part of epoch 0 (step 8: rank 1 is replaying), then resume to the end
+    checkpoint = ModelCheckpoint(dirpath=directory, every_n_train_steps=8, save_top_k=-1, filename="{step}")
+    _fit(world_size, max_epochs=1, callbacks=[checkpoint], enable_checkpointing=True)
+    dist.barrier()
+    trainer, model = _fit(world_size, ckpt_path=os.path.join(directory, "step=8.ckpt"))
+    out["resumed"] = (trainer.global_step, parameters_of(model))
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2_ranks_10_7", "3_ranks_10_7_0"])
+def trainer_results(request, tmp_path_factory) -> tuple[int, list[dict[str, Any]]]:
+    world_size = request.param
+    directory = str(tmp_path_factory.mktemp(f"uneven{world_size}"))
+    return world_size, run_distributed(
+        trainer_job, world_size, directory, init_process_group=False, timeout=240, pg_timeout=30
+    )
+
+
+@pytest.mark.parametrize(
+    "variant",
+    ["iterable=False", "iterable=True", "manual"],
+    ids=["sized_loader", "iterable_dataset", "manual_opt"],
+)
+def test_trainer_uneven_epochs_end_together_and_match_the_oracle(trainer_results, variant) -> None:
+    world_size, results = trainer_results
+    expected = oracle(COUNTS[world_size], EPOCHS)
+    for rank, result in enumerate(results):
+        steps, params = result[variant]
+        assert steps == EPOCHS * max(COUNTS[world_size]), f"rank {rank} took {steps} steps"
+        for name, value in params.items():
+            torch.testing.assert_close(value, results[0][variant][1][name], rtol=0, atol=0)
+            torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+
+
+def test_trainer_error_mode_names_every_rank_and_its_batch_count(trainer_results) -> None:
+    world_size, results = trainer_results
+    counts = ", ".join(f"rank {r}: {n}" for r, n in enumerate(COUNTS[world_size]))
+    for result in results:
+        assert "uneven_inputs='error'" in result["error"] and counts in result["error"], result["error"]
+
+
+def test_trainer_resumes_from_a_checkpoint_taken_in_the_uneven_part_of_an_epoch(trainer_results) -> None:
+    world_size, results = trainer_results
+    for rank, result in enumerate(results):
+        steps, params = result["resumed"]
+        assert steps == EPOCHS * max(COUNTS[world_size])
+        for name, value in params.items():
+            torch.testing.assert_close(
+                value, results[0]["resumed"][1][name], rtol=0, atol=0, msg=f"rank {rank}"
+            )
+
+
+# --------------------------------------------------------------------------------------------- Fabric
+def fabric_job(rank: int, world_size: int, mode: str) -> Any:
+    quiet()
+    from lightning.fabric import Fabric
+
+    from lightning_ddpx.fabric import DDPXStrategy
+    from lightning_ddpx.uneven import UnevenInputsError
+
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=DDPXStrategy(uneven_inputs=mode))
+    fabric.launch()
+    seed_everything(0, verbose=False)
+    module = TinyRegressor()
+    model, optimizer = fabric.setup(module, module.configure_optimizers())
+    x, y = rank_batches(rank, COUNTS[world_size][rank])
+    steps = replays = 0
+    try:  # "error" raises when the loop starts if the loaders have lengths, else at the first short next()
+        loader = fabric.setup_dataloaders(
+            DataLoader(TensorDataset(x, y), batch_size=BATCH), use_distributed_sampler=False
+        )
+        for _ in range(EPOCHS):
+            for xb, yb in loader:
+                optimizer.zero_grad()
+                fabric.backward(nn.functional.mse_loss(model(xb), yb))
+                optimizer.step()
+                steps += 1
+                replays += int(fabric.strategy.replaying)
+    except UnevenInputsError as error:
+        return str(error)
+    evaluated = None
+    if rank == 0:  # evaluation on one rank, gradients off: the plain loader, no collective to wait for
+        with torch.no_grad():
+            evaluated = sum(1 for _ in loader)
+    return steps, replays, parameters_of(module), evaluated
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fabric_uneven_loop_ends_together_and_matches_the_oracle(world_size: int) -> None:
+    results = run_distributed(fabric_job, world_size, "join", init_process_group=False, timeout=120)
+    expected = oracle(COUNTS[world_size], EPOCHS)
+    longest = max(COUNTS[world_size])
+    assert results[0][3] == COUNTS[world_size][0]
+    for rank, (steps, replays, params, _) in enumerate(results):
+        assert steps == EPOCHS * longest
+        assert replays == EPOCHS * (longest - COUNTS[world_size][rank])
+        for name, value in params.items():
+            torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+
+
+def test_fabric_error_mode_names_the_batch_counts() -> None:
+    results = run_distributed(fabric_job, 2, "error", init_process_group=False, timeout=120)
+    assert all("rank 0: 10, rank 1: 7" in message for message in results), results
