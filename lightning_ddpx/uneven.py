@@ -15,6 +15,10 @@ its own collectives. So the strategies keep the ranks in step one level up, at t
 - when no rank has a batch left, every rank's loader ends at the same ``next()``: the epoch ends on all
   ranks together and validation, logging and checkpointing run as usual.
 
+When every rank's loader is a map-style ``DataLoader`` (whose length is exact: it is its batch sampler's)
+and the lengths are equal -- Lightning's default ``DistributedSampler`` makes them so -- the ranks cannot
+fall out of step, and the loaders are iterated as they are: no per-batch allreduce, nothing to pay.
+
 ``uneven_inputs="error"`` raises :class:`UnevenInputsError` on every rank at that first ``next()`` instead,
 naming each rank's batch count; ``"off"`` leaves the loader alone (Lightning's ``ddp`` behaviour: a hang).
 """
@@ -27,6 +31,7 @@ from typing import Any, Callable, Iterator, Literal, Optional
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_ddpx.errors import waiting_for
 
@@ -183,7 +188,24 @@ class LockstepLoader:
                 self._gather_lengths()
         return self._lockstep(iter(self.loader))
 
+    def _even_by_length(self) -> bool:
+        """Whether equal lengths prove equal batch counts: they are equal and the length is exact
+        (a map-style ``DataLoader``'s; an ``IterableDataset`` may yield more or fewer than it says)."""
+        loader = self.loader
+        return (
+            self._lengths is not None
+            and len(set(self._lengths)) == 1
+            and isinstance(loader, DataLoader)
+            and not isinstance(loader.dataset, IterableDataset)
+        )
+
     def _lockstep(self, iterator: Iterator[Any]) -> Iterator[Any]:
+        if self._even_by_length():
+            for batch in iterator:
+                self.steps.push(StepInfo(replay=False, authority=0))
+                yield batch
+            self.steps.latest = None
+            return
         served = 0
         replay: list[Any] = []  # the batch this rank replays once its own are exhausted
         pending = self._start_exchange(iterator, served, has_replay=False)

@@ -240,3 +240,42 @@ def test_fabric_uneven_loop_ends_together_and_matches_the_oracle(world_size: int
 def test_fabric_error_mode_names_the_batch_counts() -> None:
     results = run_distributed(fabric_job, 2, "error", init_process_group=False, timeout=120)
     assert all("rank 0: 10, rank 1: 7" in message for message in results), results
+
+
+# ------------------------------------------------------------------------------ even inputs cost nothing
+class _EightItems(IterableDataset):
+    """Eight items on every rank, but an iterable dataset's length is not to be trusted."""
+
+    def __iter__(self):
+        return iter(range(8))
+
+
+def count_allreduces(rank: int, world_size: int, kind: str) -> dict[str, int]:
+    from lightning_ddpx.uneven import LockstepLoader, StepQueue
+
+    loader = DataLoader(list(range(8)) if kind == "map" else _EightItems(), batch_size=1)
+    calls = {"all_reduce": 0}
+    real = dist.all_reduce
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls["all_reduce"] += 1
+        return real(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        wrapped = LockstepLoader(loader, "join", dist.group.WORLD, torch.device("cpu"), StepQueue())
+        batches = sum(1 for _ in wrapped)
+    finally:
+        dist.all_reduce = real
+    return {"batches": batches, "all_reduce": calls["all_reduce"]}
+
+
+@pytest.mark.slow
+def test_even_map_style_loaders_iterate_without_a_collective_per_batch() -> None:
+    """Equal lengths of map-style loaders (what Lightning's DistributedSampler gives) prove equal batch
+    counts: only the one length exchange at set-up. An IterableDataset's length proves nothing, so it
+    still iterates in lockstep (one flag allreduce per batch, plus the final one)."""
+    for result in run_distributed(count_allreduces, 2, "map", timeout=120):
+        assert result == {"batches": 8, "all_reduce": 1}, result
+    for result in run_distributed(count_allreduces, 2, "iterable", timeout=120):
+        assert result["batches"] == 8 and result["all_reduce"] >= 9, result
