@@ -434,8 +434,9 @@ def test_layout_change_resets_memory_with_a_warning(one_rank_group) -> None:
 
 @pytest.mark.parametrize("rank", [1, 2, 4])
 def test_thin_projections_equal_plain_products(rank: int) -> None:
-    """P = X Q and Q = X^T P, written into views of packed buffers (as the PowerSGD runtimes use them)."""
-    from lightning_ddpx.hooks.lowrank import left_project_, right_project_
+    """P = X Q, Q = X^T P and P Q^T, written into views of packed buffers (as the PowerSGD runtimes use
+    them); rank 2 goes column by column, the others through matrix products."""
+    from lightning_ddpx.hooks.lowrank import left_project_, reconstruct_, right_project_
 
     generator = torch.Generator().manual_seed(rank)
     x = torch.randn(64, 48, generator=generator)
@@ -448,6 +449,11 @@ def test_thin_projections_equal_plain_products(rank: int) -> None:
     left_project_(q_out, x, p)
     torch.testing.assert_close(q_out, x.t() @ p, rtol=1e-5, atol=1e-4)
     assert packed[:5].abs().sum() == 0  # nothing written outside the view
+    bucket = torch.zeros(7 + 64 * 48)  # P Q^T goes into a gradient's view inside the bucket
+    target = bucket[7:].view(64, 48)
+    reconstruct_(target, p, q_out)
+    torch.testing.assert_close(target, p @ q_out.t(), rtol=1e-5, atol=1e-3)
+    assert bucket[:7].abs().sum() == 0
 
 
 def test_q_draws_fill_a_2d_q_on_any_device():

@@ -105,11 +105,30 @@ def _gram_schmidt_(matrices: torch.Tensor, epsilon: float) -> None:
 # ``torch.mm(x.t(), p, out=q)`` with 2 or 4 columns takes ~35 ms where the same product computed as
 # ``(p^T x)^T`` takes ~1.3-2.5 ms: the transposed operand sends it down a slow kernel. One column is a
 # matrix-vector product, fast either way (~0.5 ms), and keeps torch's exact operation order.
+#
+# Two columns are the slow case of the matrix-matrix kernels (benchmarks/bench_powersgd_rank.py, 2048 x 2048,
+# 1 thread): ``X Q`` took 3.2-4.0 ms at rank 2 against 2.3-2.6 ms at rank 4, and ``P Q^T`` 3.7 ms against
+# 3.2 ms, which is why rank 2 used to be no faster than rank 4. Column by column (two matrix-vector
+# products; one outer product and one rank-1 update) they take 2.5 ms and 2.0 ms.
 def right_project_(p: torch.Tensor, x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """``p = x @ q`` for ``x`` (n, m) and thin ``q`` (m, r), written into ``p`` (n, r)."""
-    if q.shape[1] == 1:
+    rank = q.shape[1]
+    if rank == 1:
         return torch.mm(x, q, out=p)
+    if rank == 2:
+        for j in range(2):
+            torch.mv(x, q[:, j], out=p[:, j])
+        return p
     return p.copy_(torch.mm(q.t(), x.t()).t())
+
+
+def reconstruct_(out: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``out = p @ q.T``, the rank-r approximation, for thin ``p`` (n, r) and ``q`` (m, r), into ``out`` (n, m)."""
+    if q.shape[1] == 2:
+        p0, p1, q0, q1 = (t.contiguous() for t in (p[:, 0], p[:, 1], q[:, 0], q[:, 1]))  # strided: 3x slower
+        torch.outer(p0, q0, out=out)
+        return out.addr_(p1, q1)
+    return torch.mm(p, q.t(), out=out)
 
 
 def left_project_(q: torch.Tensor, x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,13 @@ from lightning_ddpx.hooks.layout import (
     plan_powersgd,
     segment_sizes,
 )
-from lightning_ddpx.hooks.lowrank import left_project_, orthogonalize_, right_project_, square_side
+from lightning_ddpx.hooks.lowrank import (
+    left_project_,
+    orthogonalize_,
+    reconstruct_,
+    right_project_,
+    square_side,
+)
 from lightning_ddpx.hooks.powersgd_state import PowerSGDState
 from lightning_ddpx.profiling import label
 
@@ -326,7 +332,7 @@ class _TensorwiseRuntime:
         self.q.div_(self.world_size)
 
         for (_, p, q), target in zip(self.matrices, self.targets):
-            torch.mm(p, q.t(), out=target)
+            reconstruct_(target, p, q)
         if self.error is not None:
             torch._foreach_sub_(self.x_members, self.bucket_compressed)
 
