@@ -167,11 +167,16 @@ def _train_pair(rank: int, name: str, device_index: int | None = None) -> None:
 
 def run_hooks_over_nccl(rank: int, world_size: int) -> dict[str, str]:
     _init_nccl(rank, world_size)
+    return _each_hook(rank, sorted(HOOK_PAIRS))
+
+
+def _each_hook(rank: int, names: list[str], device_index: int | None = None) -> dict[str, str]:
+    """``_train_pair`` for every hook in ``names``: "ok" or the traceback, per hook; then leave the group."""
     out = {}
     try:
-        for name in HOOK_PAIRS:
+        for name in names:
             try:
-                _train_pair(rank, name)
+                _train_pair(rank, name, device_index)
                 out[name] = "ok"
             except Exception:  # noqa: BLE001 - reported by the test, per hook
                 out[name] = traceback.format_exc()
@@ -210,17 +215,7 @@ def run_hooks_over_gloo_on_one_gpu(rank: int, world_size: int) -> dict[str, str]
         world_size=world_size,
         timeout=timedelta(seconds=120),
     )
-    out = {}
-    try:
-        for name in ONE_GPU_HOOKS:
-            try:
-                _train_pair(rank, name, device_index=0)
-                out[name] = "ok"
-            except Exception:  # noqa: BLE001 - reported by the test, per hook
-                out[name] = traceback.format_exc()
-    finally:
-        dist.destroy_process_group()
-    return out
+    return _each_hook(rank, ONE_GPU_HOOKS, device_index=0)
 
 
 @pytest.fixture(scope="module")
