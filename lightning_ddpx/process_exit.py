@@ -12,7 +12,9 @@ at exit (see tests/test_process_exit.py). torch leaves this to the user (pytorch
 Lightning destroys the group at exit for NCCL only.
 
 The strategies call :func:`destroy_process_group_at_exit` once their group exists. The handler first stops
-our communication threads (:func:`lightning_ddpx.launcher.close_all_launchers`), then destroys the group
+our own threads -- the communication thread (:func:`lightning_ddpx.launcher.close_all_launchers`) and the
+progress writer (:func:`lightning_ddpx.diagnosis.close_all_boards`), which can be inside a store write, a
+C++ call, at exit -- then destroys the group
 on a helper thread and waits at most :data:`DESTROY_TIMEOUT_S`: destroying waits for pending
 collectives, which after a failure may wait on a peer that is gone, and an exit must never hang.
 """
@@ -25,6 +27,7 @@ import threading
 
 import torch.distributed as dist
 
+from lightning_ddpx.diagnosis import close_all_boards
 from lightning_ddpx.launcher import close_all_launchers
 
 __all__ = ["DESTROY_TIMEOUT_S", "destroy_process_group_at_exit"]
@@ -50,6 +53,7 @@ def _exit_cleanly() -> None:
     stuck = close_all_launchers()
     if stuck:
         log.warning(f"lightning_ddpx: communication thread(s) {stuck} still busy at exit")
+    close_all_boards()  # the progress writer may be inside a store write
     if not (dist.is_available() and dist.is_initialized()):
         return  # the user (or Lightning, for NCCL) destroyed it already
     destroyer = threading.Thread(target=_destroy_quietly, name="lightning_ddpx-exit", daemon=True)
