@@ -10,7 +10,7 @@ the same number of steps for every contender on a link, same seeds and data. Tas
 (:mod:`lightning_ddpx.bench.tasks`): ``digits`` (CNN on upscaled scikit-learn digits, 6.3M parameters) and
 ``pydoc-lm`` (word-level transformer on the stdlib's help text, 5.3M parameters). Links: ``loopback``
 (127.0.0.1) and two emulated nodes over a veth pair shaped to ``1gbit`` or ``100mbit``
-(:mod:`lightning_ddpx.netns`, root only). The slow ``100mbit`` link runs fewer contenders (a lossless
+(:mod:`lightning_ddpx.bench.netns`, root only). The slow ``100mbit`` link runs fewer contenders (a lossless
 step takes ~1 s there).
 
 Writes ``<out>/<task>_<link>.json`` after every contender (a crash keeps what finished), then per task a

@@ -2,7 +2,7 @@
 
 One process, one thread, the MLP benchmark's matrix shape (2048 x 2048, fp32): the two thin products
 (P = X Q and Q = X^T P, as the hook computes them), orthogonalising P and Q (Gram-Schmidt for ranks 1-2,
-Householder QR above, as :func:`lightning_ddpx.hooks.lowrank.orthogonalize_` chooses), the low-rank
+Householder QR above, as :func:`lightning_ddpx.hooks.powersgd.lowrank.orthogonalize_` chooses), the low-rank
 reconstruction P Q^T into the bucket, and the bytes P and Q put on the wire. Ranks are interleaved in
 rounds and medians reported, so a loaded machine shifts all ranks alike.
 
@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from lightning_ddpx.hooks.lowrank import left_project_, orthogonalize_, reconstruct_, right_project_
+from lightning_ddpx.hooks.powersgd.lowrank import left_project_, orthogonalize_, reconstruct_, right_project_
 
 RANKS = (1, 2, 4, 8)
 

@@ -1,4 +1,4 @@
-"""Check that a shaped :class:`lightning_ddpx.netns.VethLink` delivers the bandwidth it promises.
+"""Check that a shaped :class:`lightning_ddpx.bench.netns.VethLink` delivers the bandwidth it promises.
 
     python benchmarks/link_check.py                          # 1gbit, 10gbit and unlimited, 50 MB fp32
     python benchmarks/link_check.py --rates 1gbit --mb 20 --iters 3
@@ -53,7 +53,7 @@ def worker(node: int, mb: float, iters: int) -> None:
 
 def measure(rate: str | None, mb: float, iters: int) -> dict:
     """Throughput of a 2-rank allreduce over a fresh VethLink at ``rate``."""
-    from lightning_ddpx.netns import VethLink
+    from lightning_ddpx.bench.netns import VethLink
 
     with VethLink(rate=rate, prefix="ddpxlink") as link:
         procs = []
@@ -101,7 +101,7 @@ def main() -> None:
         worker(args.worker, args.mb, args.iters)
         return
     sys.path.insert(0, REPO_ROOT)
-    from lightning_ddpx.netns import netns_unavailable_reason, parse_rate
+    from lightning_ddpx.bench.netns import netns_unavailable_reason, parse_rate
 
     reason = netns_unavailable_reason()
     if reason is not None:

@@ -40,7 +40,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ddpx import DDPXStrategy
-from lightning_ddpx.checkpoint_io import AtomicCheckpointIO
+from lightning_ddpx.lightning.checkpoint_io import AtomicCheckpointIO
 
 SEED = 7
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_ddpx.bucketing import megabytes_to_bytes, plan_buckets
-from lightning_ddpx.graph import iter_tensors, reachable_parameter_indices
+from lightning_ddpx.engine.bucketing import megabytes_to_bytes, plan_buckets
+from lightning_ddpx.engine.graph import iter_tensors, reachable_parameter_indices
 
 F32, F16, CPU = torch.float32, torch.float16, torch.device("cpu")
 

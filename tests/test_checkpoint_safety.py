@@ -29,7 +29,12 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_ddpx import collectives_issued_on_call
-from lightning_ddpx.checkpoint_io import TEMP_PREFIX, TEMP_SUFFIX, AtomicCheckpointIO, atomic_torch_save
+from lightning_ddpx.lightning.checkpoint_io import (
+    TEMP_PREFIX,
+    TEMP_SUFFIX,
+    AtomicCheckpointIO,
+    atomic_torch_save,
+)
 from tests.dist_utils import run_distributed
 from tests.kill_during_save import NUMEL
 from tests.strategy_helpers import fit, quiet

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import lightning_ddpx
-from lightning_ddpx.comm_stats import CommStatsWindow, StepCommStats
+from lightning_ddpx.engine.comm_stats import CommStatsWindow, StepCommStats
 from lightning_ddpx.hooks import build_comm_hook
 from tests.dist_utils import run_distributed
 
@@ -158,7 +158,7 @@ def profiled_step(rank: int, world_size: int) -> list[str]:
 
 
 def test_hot_paths_carry_profiler_labels() -> None:
-    """The labels show up under torch.profiler (and cost nothing without it: lightning_ddpx.profiling)."""
+    """The labels show up under torch.profiler (and cost nothing without it: lightning_ddpx.engine.profiling)."""
     labels = run_distributed(profiled_step, 2, timeout=60)[0]
     assert labels == [
         "lightning_ddpx::broadcast_buffers",

@@ -30,7 +30,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as to
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
 import lightning_ddpx
-from lightning_ddpx.cuda_streams import current_stream, on_stream, wait_streams
+from lightning_ddpx.engine.cuda_streams import current_stream, on_stream, wait_streams
 from lightning_ddpx.hooks import PowerSGDOptions, available_hooks, build_comm_hook
 from tests.dist_utils import run_distributed
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ddpx import GradBucket
-from lightning_ddpx.grad_bucket import issues_collectives_on_call
+from lightning_ddpx.engine.grad_bucket import issues_collectives_on_call
 from lightning_ddpx.hooks import (
     PowerSGDOptions,
     PowerSGDState,
@@ -28,8 +28,9 @@ from lightning_ddpx.hooks import (
     powersgd_hook,
     register_hook_name,
 )
-from lightning_ddpx.hooks.layout import TensorSlot, bucket_layout, plan_powersgd, segment_sizes
-from lightning_ddpx.hooks.lowrank import matrix_shape, orthogonalize_, should_compress, square_side
+from lightning_ddpx.hooks.layout import TensorSlot, bucket_layout, segment_sizes
+from lightning_ddpx.hooks.powersgd.lowrank import matrix_shape, orthogonalize_, should_compress, square_side
+from lightning_ddpx.hooks.powersgd.plan import plan_powersgd
 
 
 # ------------------------------------------------------------------------------------------ lowrank
@@ -436,7 +437,7 @@ def test_layout_change_resets_memory_with_a_warning(one_rank_group) -> None:
 def test_thin_projections_equal_plain_products(rank: int) -> None:
     """P = X Q, Q = X^T P and P Q^T, written into views of packed buffers (as the PowerSGD runtimes use
     them); rank 2 goes column by column, the others through matrix products."""
-    from lightning_ddpx.hooks.lowrank import left_project_, reconstruct_, right_project_
+    from lightning_ddpx.hooks.powersgd.lowrank import left_project_, reconstruct_, right_project_
 
     generator = torch.Generator().manual_seed(rank)
     x = torch.randn(64, 48, generator=generator)
@@ -460,8 +461,8 @@ def test_q_draws_fill_a_2d_q_on_any_device():
     """The square (batched) runtime's Q is 2-D; off the CPU the draw is made on the CPU and copied over.
     That copy once failed with a shape error on CUDA (found on an H100); the meta device takes the same
     branch here, and on the CPU a 2-D Q gets exactly the numbers a flat one does."""
-    from lightning_ddpx.hooks.powersgd import _draw_q
-    from lightning_ddpx.hooks.powersgd_state import PowerSGDState
+    from lightning_ddpx.hooks.powersgd.hook import _draw_q
+    from lightning_ddpx.hooks.powersgd.state import PowerSGDState
 
     flat, square = torch.empty(244), torch.empty(122, 2)
     _draw_q(PowerSGDState(None, random_seed=3), flat, (244,))

@@ -23,7 +23,7 @@ from lightning.pytorch import seed_everything
 from torch import nn
 from torch.utils.data import DistributedSampler
 
-from lightning_ddpx.netns import VethLink, netns_unavailable_reason, parse_rate, remove_stale_namespaces
+from lightning_ddpx.bench.netns import VethLink, netns_unavailable_reason, parse_rate, remove_stale_namespaces
 from tests.strategy_helpers import BATCH_SIZE, TinyRegressor, dataset
 
 needs_netns = pytest.mark.skipif(

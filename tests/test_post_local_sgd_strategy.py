@@ -185,7 +185,7 @@ def batches(rank: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def fabric_run(data, seed: int = 0, path: str | None = None, save_at: int | None = None):
     from lightning.fabric import Fabric
 
-    from lightning_ddpx.fabric import DDPXStrategy
+    from lightning_ddpx.lightning.fabric import DDPXStrategy
 
     strategy = DDPXStrategy(
         comm_hook="post_local_sgd",

@@ -20,9 +20,13 @@ from torch.distributed.algorithms.model_averaging import utils as torch_averagin
 
 from lightning_ddpx import DDPXStrategy
 from lightning_ddpx.hooks import PostLocalSGDOptions, PostLocalSGDState, build_comm_hook, post_local_sgd_hook
-from lightning_ddpx.local_replicas import replica_for_rank
-from lightning_ddpx.model_averaging import HierarchicalModelAverager, PeriodicModelAverager, hierarchy_groups
-from lightning_ddpx.post_local_sgd_setup import check_optimizers
+from lightning_ddpx.hooks.model_averaging import (
+    HierarchicalModelAverager,
+    PeriodicModelAverager,
+    hierarchy_groups,
+)
+from lightning_ddpx.lightning.local_replicas import replica_for_rank
+from lightning_ddpx.lightning.post_local_sgd_setup import check_optimizers
 from tests.dist_utils import run_distributed
 
 
@@ -107,7 +111,7 @@ def test_named_hook_options_reach_the_state_and_are_refused_elsewhere():
     ],
 )
 def test_strategy_refuses_bad_post_local_sgd_settings_in_the_constructor(kwargs, error, says):
-    for strategy_class in (DDPXStrategy, __import__("lightning_ddpx.fabric").fabric.DDPXStrategy):
+    for strategy_class in (DDPXStrategy, __import__("lightning_ddpx.lightning.fabric").fabric.DDPXStrategy):
         with pytest.raises(error) as raised:
             strategy_class(**kwargs)
         assert says in str(raised.value), str(raised.value)

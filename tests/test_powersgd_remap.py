@@ -16,8 +16,9 @@ from torch import nn
 
 import lightning_ddpx
 from lightning_ddpx.hooks import PowerSGDState, powersgd_hook
-from lightning_ddpx.hooks.layout import TensorSlot, plan_powersgd
-from lightning_ddpx.hooks.powersgd_remap import assemble, explode
+from lightning_ddpx.hooks.layout import TensorSlot
+from lightning_ddpx.hooks.powersgd.plan import plan_powersgd
+from lightning_ddpx.hooks.powersgd.remap import assemble, explode
 from tests.dist_utils import run_distributed
 
 SMALL_BUCKETS = {"bucket_cap_mb": 0.004, "first_bucket_cap_mb": 0.001}

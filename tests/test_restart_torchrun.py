@@ -22,7 +22,7 @@ import sys
 import pytest
 import torch
 
-from lightning_ddpx.checkpoint_io import TEMP_PREFIX
+from lightning_ddpx.lightning.checkpoint_io import TEMP_PREFIX
 
 pytestmark = pytest.mark.slow
 

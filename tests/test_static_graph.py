@@ -107,7 +107,7 @@ def scenario(rank: int, build, ours: dict, theirs: dict, accumulate: int = 1) ->
 
 def count_graph_walks(rank: int, **ours_kwargs) -> int:
     """Graph walks of our reducer in STEPS synchronised iterations (the module's own training loop)."""
-    import lightning_ddpx.reducer as reducer_module
+    import lightning_ddpx.engine.reducer as reducer_module
 
     calls = []
     original = reducer_module.reachable_parameter_indices

@@ -14,8 +14,8 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 from lightning_ddpx import DDPXStrategy, checkpoint_state
-from lightning_ddpx.checkpoint_state import Restore, check_plain, select_for_rank
 from lightning_ddpx.hooks import PowerSGDOptions
+from lightning_ddpx.lightning.checkpoint_state import Restore, check_plain, select_for_rank
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,7 +85,7 @@ def test_a_string_that_is_not_a_registered_name_is_imported():
     with pytest.raises(ValueError, match=r"unknown comm_hook 'no_such.hook'.*Importing it failed"):
         DDPXStrategy(comm_hook="no_such.hook")
     with pytest.raises(ValueError, match="is a int, not a callable"):
-        DDPXStrategy(comm_hook="lightning_ddpx.checkpoint_state.FORMAT_VERSION")
+        DDPXStrategy(comm_hook="lightning_ddpx.lightning.checkpoint_state.FORMAT_VERSION")
 
 
 def test_powersgd_options_as_dict_or_dataclass():
@@ -136,7 +136,7 @@ def test_import_lightning_ddpx_registers_the_names():
         [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=True
     ).stdout.splitlines()
     names = ["ddpx", "ddpx_find_unused_parameters_true", "ddpx_fp16", "ddpx_powersgd", "ddpx_spawn"]
-    assert output == [repr(names), "lightning_ddpx.strategy"]
+    assert output == [repr(names), "lightning_ddpx.lightning.strategy"]
 
 
 def test_registering_again_is_harmless():
@@ -233,7 +233,7 @@ def test_checkpoints_are_written_atomically_by_default() -> None:
     from lightning.pytorch.plugins import AsyncCheckpointIO
 
     from lightning_ddpx import AtomicCheckpointIO
-    from lightning_ddpx.fabric import DDPXStrategy as FabricDDPXStrategy
+    from lightning_ddpx.lightning.fabric import DDPXStrategy as FabricDDPXStrategy
 
     assert type(DDPXStrategy().checkpoint_io) is AtomicCheckpointIO
     assert type(FabricDDPXStrategy().checkpoint_io) is AtomicCheckpointIO

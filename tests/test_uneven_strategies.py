@@ -122,7 +122,7 @@ def _fit(
 
 def trainer_job(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     quiet()
-    from lightning_ddpx.uneven import UnevenInputsError
+    from lightning_ddpx.lightning.uneven import UnevenInputsError
 
     out: dict[str, Any] = {}
     for iterable in (False, True):
@@ -194,8 +194,8 @@ def fabric_job(rank: int, world_size: int, mode: str) -> Any:
     quiet()
     from lightning.fabric import Fabric
 
-    from lightning_ddpx.fabric import DDPXStrategy
-    from lightning_ddpx.uneven import UnevenInputsError
+    from lightning_ddpx.lightning.fabric import DDPXStrategy
+    from lightning_ddpx.lightning.uneven import UnevenInputsError
 
     fabric = Fabric(accelerator="cpu", devices=world_size, strategy=DDPXStrategy(uneven_inputs=mode))
     fabric.launch()
@@ -251,7 +251,7 @@ class _EightItems(IterableDataset):
 
 
 def count_allreduces(rank: int, world_size: int, kind: str) -> dict[str, int]:
-    from lightning_ddpx.uneven import LockstepLoader, StepQueue
+    from lightning_ddpx.lightning.uneven import LockstepLoader, StepQueue
 
     loader = DataLoader(list(range(8)) if kind == "map" else _EightItems(), batch_size=1)
     calls = {"all_reduce": 0}

@@ -1,6 +1,6 @@
 """One "node" of the two-node test (tests/test_multinode_veth.py): a Lightning fit with DDPXStrategy.
 
-Run inside a network namespace of a :class:`lightning_ddpx.netns.VethLink`, once per node, as a real
+Run inside a network namespace of a :class:`lightning_ddpx.bench.netns.VethLink`, once per node, as a real
 multi-node job is launched: the same script on every node with ``MASTER_ADDR`` (node 0's veth address),
 ``MASTER_PORT`` and ``NODE_RANK`` in the environment, and ``num_nodes=2, devices=1`` in the Trainer. No
 ``LOCAL_RANK``: Lightning's ``LightningEnvironment`` is picked and its launcher has no process to start.

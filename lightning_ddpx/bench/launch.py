@@ -2,7 +2,7 @@
 
 Over loopback, communication runs at memory speed, which hides what compression buys on a real network.
 With ``link="1gbit"`` (2 ranks) each rank runs in its own Linux network namespace, joined by a veth pair
-shaped with ``tc`` (:mod:`lightning_ddpx.netns`), so the two "nodes" talk over a link of known bandwidth.
+shaped with ``tc`` (:mod:`lightning_ddpx.bench.netns`), so the two "nodes" talk over a link of known bandwidth.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _network(link: str | None, world_size: int) -> Iterator[Any]:
     if link is None:
         yield None
         return
-    from lightning_ddpx.netns import VethLink, netns_unavailable_reason
+    from lightning_ddpx.bench.netns import VethLink, netns_unavailable_reason
 
     if world_size != 2:
         raise ValueError(f"--link emulates two nodes: it needs --world-size 2, got {world_size}")

@@ -12,8 +12,13 @@ from lightning_ddpx.hooks.default import (
     noop_hook,
 )
 from lightning_ddpx.hooks.post_local_sgd import PostLocalSGDOptions, PostLocalSGDState, post_local_sgd_hook
-from lightning_ddpx.hooks.powersgd import batched_powersgd_hook, powersgd_hook
-from lightning_ddpx.hooks.powersgd_state import CompressionStats, PowerSGDOptions, PowerSGDState
+from lightning_ddpx.hooks.powersgd import (
+    CompressionStats,
+    PowerSGDOptions,
+    PowerSGDState,
+    batched_powersgd_hook,
+    powersgd_hook,
+)
 from lightning_ddpx.hooks.registry import available_hooks, build_comm_hook, register_hook_name
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 Their state is a process group or ``None`` (the default group), as with torch's hooks. Each issues its
 single collective before returning and only casts or copies in callbacks, so each is marked
-:func:`~lightning_ddpx.grad_bucket.collectives_issued_on_call` and runs inline with several buckets in
+:func:`~lightning_ddpx.engine.grad_bucket.collectives_issued_on_call` and runs inline with several buckets in
 flight. A wrapper carries the mark of the hook it wraps.
 
 Annotations are real objects here (no ``from __future__ import annotations``) and the bucket is typed
@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from lightning_ddpx.grad_bucket import (
+from lightning_ddpx.engine.grad_bucket import (
     GradBucket,
     collectives_issued_on_call,
     issues_collectives_on_call,

@@ -3,7 +3,7 @@
 `Post-local SGD <https://arxiv.org/abs/1808.07217>`_ trains like DDP for ``start_localSGD_iter`` steps; after
 that each step only averages gradients within a ``subgroup`` (cheap: typically the ranks of one machine, or
 each rank alone), and the replicas -- which now drift apart -- are averaged every ``period`` optimizer steps
-by a model averager (:mod:`lightning_ddpx.model_averaging`). Semantics are torch's ``post_localSGD_hook`` +
+by a model averager (:mod:`lightning_ddpx.hooks.model_averaging`). Semantics are torch's ``post_localSGD_hook`` +
 ``PostLocalSGDState`` + ``PeriodicModelAverager`` (or ``HierarchicalModelAverager`` when a ``hierarchy``
 ``{period: group_size}`` is given); the state here also owns the averager, so that one ``state_dict()``
 carries everything a resume needs (the hook's iteration and the averager's step).
@@ -25,10 +25,10 @@ from typing import Any, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
-from lightning_ddpx.errors import waiting_for
-from lightning_ddpx.grad_bucket import collectives_issued_on_call, record_bytes_sent
+from lightning_ddpx.engine.errors import waiting_for
+from lightning_ddpx.engine.grad_bucket import collectives_issued_on_call, record_bytes_sent
 from lightning_ddpx.hooks.default import allreduce_hook
-from lightning_ddpx.model_averaging import (
+from lightning_ddpx.hooks.model_averaging import (
     HierarchicalModelAverager,
     ModelAverager,
     PeriodicModelAverager,
@@ -138,7 +138,7 @@ class PostLocalSGDState:
             (consecutive ranks), or ``None`` for the ranks on this machine.
         start_localSGD_iter: synchronised backward passes of global averaging before local SGD starts.
         post_local_gradient_allreduce: average gradients within ``subgroup`` after the warm-up (torch's).
-        period: build a :class:`~lightning_ddpx.model_averaging.PeriodicModelAverager` (``state.averager``)
+        period: build a :class:`~lightning_ddpx.hooks.model_averaging.PeriodicModelAverager` (``state.averager``)
             averaging every ``period`` steps after ``start_localSGD_iter``.
         hierarchy: ``{period: group_size}``: build a ``HierarchicalModelAverager`` instead.
 
@@ -219,7 +219,7 @@ class PostLocalSGDState:
         if self.hierarchy is not None and not whole:
             raise ValueError(
                 "post_local_sgd: hierarchy needs process_group=None (the whole world); with a smaller "
-                "group build lightning_ddpx.model_averaging.HierarchicalModelAverager yourself."
+                "group build lightning_ddpx.hooks.model_averaging.HierarchicalModelAverager yourself."
             )
         self._resolved = True
         self._build_averager()

@@ -11,7 +11,7 @@ from typing import Any, Callable, Protocol
 
 import torch.distributed as dist
 
-from lightning_ddpx.hooks.backend_support import check_bf16_hook
+from lightning_ddpx.engine.backend_support import check_bf16_hook
 from lightning_ddpx.hooks.default import (
     CommHook,
     allreduce_hook,
@@ -23,7 +23,7 @@ from lightning_ddpx.hooks.default import (
 )
 from lightning_ddpx.hooks.post_local_sgd import PostLocalSGDOptions, PostLocalSGDState, post_local_sgd_hook
 from lightning_ddpx.hooks.powersgd import batched_powersgd_hook, powersgd_hook
-from lightning_ddpx.hooks.powersgd_state import PowerSGDOptions, PowerSGDState
+from lightning_ddpx.hooks.powersgd.state import PowerSGDOptions, PowerSGDState
 
 __all__ = ["HookFactory", "available_hooks", "build_comm_hook", "register_hook_name"]
 

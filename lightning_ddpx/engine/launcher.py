@@ -1,6 +1,6 @@
 """Issue communication hooks so that every rank issues its collectives in one global order.
 
-Two ways, chosen per hook (see :mod:`lightning_ddpx.grad_bucket` for the contract):
+Two ways, chosen per hook (see :mod:`lightning_ddpx.engine.grad_bucket` for the contract):
 - inline: the hook is called right away on the caller's (autograd) thread; only for hooks that issue all
   their collectives before returning, so buckets may be in flight together, as in torch's reducer;
 - sequenced: hooks run on one communication thread, each awaited before the next starts, so hooks that

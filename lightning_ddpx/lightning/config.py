@@ -4,7 +4,7 @@ One :class:`DDPXConfig` holds the communication hook and the module options, val
 both strategies fail on the same typo with the same message before any process starts. It then does the
 work the two strategies share: wrap a module in :class:`lightning_ddpx.DistributedDataParallel` and register
 the hook on it (on every device type, CPU included), name the hook for checkpoints, and write or restore the
-hook's checkpoint entry with the bucket layout (the entry format is :mod:`lightning_ddpx.checkpoint_state`'s).
+hook's checkpoint entry with the bucket layout (the entry format is :mod:`lightning_ddpx.lightning.checkpoint_state`'s).
 What differs between Trainer and Fabric -- when a model is set up, where the entry sits in the file -- stays
 in the strategies.
 """
@@ -19,8 +19,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_ddpx import checkpoint_state, post_local_sgd_setup
-from lightning_ddpx.distributed import DistributedDataParallel
+from lightning_ddpx.engine.module import DistributedDataParallel
 from lightning_ddpx.hooks import (
     PostLocalSGDOptions,
     PowerSGDOptions,
@@ -29,7 +28,8 @@ from lightning_ddpx.hooks import (
     build_comm_hook,
     fp16_compress_wrapper,
 )
-from lightning_ddpx.uneven import LockstepLoader, StepQueue, UnevenInputs, check_uneven_inputs
+from lightning_ddpx.lightning import checkpoint_state, post_local_sgd_setup
+from lightning_ddpx.lightning.uneven import LockstepLoader, StepQueue, UnevenInputs, check_uneven_inputs
 
 __all__ = ["CommHookFn", "DDPXConfig", "DDPXConfigAttributes", "STRATEGY_NAMES", "register_strategy_names"]
 
@@ -128,7 +128,7 @@ class DDPXConfig:
     def wrap_training_loader(
         self, loader: Any, process_group: dist.ProcessGroup, device: Any, steps: StepQueue, for_fabric: bool
     ) -> Any:
-        """``loader`` iterated in lockstep across ranks (:mod:`lightning_ddpx.uneven`), unless
+        """``loader`` iterated in lockstep across ranks (:mod:`lightning_ddpx.lightning.uneven`), unless
         ``uneven_inputs="off"`` or there is one rank. For the Trainer a collective: every rank calls it."""
         if self.uneven_inputs == "off" or dist.get_world_size(process_group) == 1:
             return loader

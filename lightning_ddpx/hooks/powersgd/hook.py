@@ -27,26 +27,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_ddpx.grad_bucket import payload_bytes, record_bytes_sent
-from lightning_ddpx.hooks import powersgd_remap
+from lightning_ddpx.engine.grad_bucket import payload_bytes, record_bytes_sent
+from lightning_ddpx.engine.profiling import label
 from lightning_ddpx.hooks.default import first_value
-from lightning_ddpx.hooks.layout import (
-    PowerSGDPlan,
-    bucket_key,
-    bucket_layout,
-    layout_signature,
-    plan_powersgd,
-    segment_sizes,
-)
-from lightning_ddpx.hooks.lowrank import (
+from lightning_ddpx.hooks.layout import bucket_key, bucket_layout, layout_signature, segment_sizes
+from lightning_ddpx.hooks.powersgd import remap as powersgd_remap
+from lightning_ddpx.hooks.powersgd.lowrank import (
     left_project_,
     orthogonalize_,
     reconstruct_,
     right_project_,
     square_side,
 )
-from lightning_ddpx.hooks.powersgd_state import PowerSGDState
-from lightning_ddpx.profiling import label
+from lightning_ddpx.hooks.powersgd.plan import PowerSGDPlan, plan_powersgd
+from lightning_ddpx.hooks.powersgd.state import PowerSGDState
 
 __all__ = ["batched_powersgd_hook", "powersgd_hook"]
 
@@ -55,7 +49,7 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     """PowerSGD on each gradient matrix of the bucket (torch's ``powerSGD_hook``, blocking and batched).
 
     Gradients are compressed as ``(shape[0], rest)`` matrices when that saves ``min_compression_rate`` x
-    (see :func:`~lightning_ddpx.hooks.lowrank.should_compress`); the rest (biases, small layers) are
+    (see :func:`~lightning_ddpx.hooks.powersgd.lowrank.should_compress`); the rest (biases, small layers) are
     averaged exactly. With the same options, results match torch's hook within 1e-5 (tested over 10
     compressed steps; the remaining differences are float rounding of differently blocked products).
     """

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lightning_ddpx.hooks.powersgd_state_check import check_state_dict
+from lightning_ddpx.hooks.powersgd.state_check import check_state_dict
 
 __all__ = ["CompressionStats", "PowerSGDOptions", "PowerSGDState", "RankMemory", "SharedMemory"]
 
@@ -185,7 +185,7 @@ class PowerSGDState:
     ``per_rank`` is this rank's error feedback per bucket. The ``*_pool`` entries hold memory by parameter
     name while it moves between two bucket layouts (usually empty). A strategy saves ``shared`` once and
     every rank's ``per_rank``; restoring both continues training bit for bit, also into a module whose
-    buckets differ (:mod:`lightning_ddpx.hooks.powersgd_remap`).
+    buckets differ (:mod:`lightning_ddpx.hooks.powersgd.remap`).
     """
 
     def __init__(

@@ -2,7 +2,7 @@
 
 Per step the reducer records: the bytes handed to the communication hook (the bucket buffers), the bytes
 the hook's collectives actually carried (reported by the hook through
-:func:`~lightning_ddpx.grad_bucket.record_bytes_sent`; ``None`` for hooks that do not report, such as
+:func:`~lightning_ddpx.engine.grad_bucket.record_bytes_sent`; ``None`` for hooks that do not report, such as
 torch's), the wall time spent inside hook calls, and the *exposed* communication: how long the end of
 backward waited for outstanding results, i.e. the part of communication that overlap with backward did not
 hide. Recording is a few additions and two clock reads per bucket; nothing is logged per bucket.

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from lightning_ddpx.graph import iter_tensors
+from lightning_ddpx.engine.graph import iter_tensors
 
 __all__ = ["attach_backward_start"]
 

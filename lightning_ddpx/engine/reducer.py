@@ -20,23 +20,23 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_ddpx.backward_start import attach_backward_start
-from lightning_ddpx.bucketing import BucketInfo, BucketSpec, plan_buckets
-from lightning_ddpx.comm_stats import CommStatsWindow, StepCommStats
-from lightning_ddpx.cuda_streams import current_stream, on_stream, wait_streams
-from lightning_ddpx.diagnosis import ProgressBoard, check_same_sequence, dtype_code
-from lightning_ddpx.errors import CommunicationError, waiting_for
-from lightning_ddpx.grad_bucket import (
+from lightning_ddpx.engine.backward_start import attach_backward_start
+from lightning_ddpx.engine.bucketing import BucketInfo, BucketSpec, plan_buckets
+from lightning_ddpx.engine.comm_stats import CommStatsWindow, StepCommStats
+from lightning_ddpx.engine.cuda_streams import current_stream, on_stream, wait_streams
+from lightning_ddpx.engine.diagnosis import ProgressBoard, check_same_sequence, dtype_code
+from lightning_ddpx.engine.errors import CommunicationError, waiting_for
+from lightning_ddpx.engine.grad_bucket import (
     GradBucket,
     collectives_issued_on_call,
     issues_collectives_on_call,
     payload_bytes,
     record_bytes_sent,
 )
-from lightning_ddpx.graph import reachable_parameter_indices
-from lightning_ddpx.launcher import InlineLauncher, SequencedLauncher
-from lightning_ddpx.profiling import label
-from lightning_ddpx.static_graph import StaticGraph
+from lightning_ddpx.engine.graph import reachable_parameter_indices
+from lightning_ddpx.engine.launcher import InlineLauncher, SequencedLauncher
+from lightning_ddpx.engine.profiling import label
+from lightning_ddpx.engine.static_graph import StaticGraph
 
 __all__ = ["Reducer"]
 
@@ -106,7 +106,7 @@ class Reducer:
         self.static: StaticGraph | None = StaticGraph(self.names) if static_graph else None
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
-        # CUDA: the stream that produced each parameter's gradient (lightning_ddpx.cuda_streams)
+        # CUDA: the stream that produced each parameter's gradient (lightning_ddpx.engine.cuda_streams)
         self._on_cuda = any(p.device.type == "cuda" for p in self.params)
         self._grad_streams: list[Any] = [None] * len(self.params)
 
@@ -239,7 +239,7 @@ class Reducer:
         return self.find_unused_parameters
 
     def shadow_reduction(self, bitmap: bool) -> None:
-        """Reduce one iteration with zero gradients, as a rank that has joined (see :mod:`lightning_ddpx.join`).
+        """Reduce one iteration with zero gradients, as a rank that has joined (see :mod:`lightning_ddpx.engine.join`).
 
         Every bucket goes through the registered hook, in bucket order, exactly like a real backward, then
         the used-parameter bitmap (all zeros) when the active ranks share theirs (``bitmap``); results are
@@ -284,7 +284,7 @@ class Reducer:
     def prepare_backward(self, outputs: Any) -> None:
         """Called after a synchronising forward: arm reduction, and find unused parameters if asked.
 
-        The reduction starts when backward reaches ``outputs`` (:mod:`lightning_ddpx.backward_start`), so
+        The reduction starts when backward reaches ``outputs`` (:mod:`lightning_ddpx.engine.backward_start`), so
         the end-of-backward callback belongs to the outermost backward, or at the first gradient hook.
         """
         self.phase = Phase.ARMED

@@ -14,8 +14,9 @@ from typing import Any, Mapping
 
 import torch
 
-from lightning_ddpx.hooks.layout import TensorSlot, plan_powersgd
-from lightning_ddpx.hooks.lowrank import square_side
+from lightning_ddpx.hooks.layout import TensorSlot
+from lightning_ddpx.hooks.powersgd.lowrank import square_side
+from lightning_ddpx.hooks.powersgd.plan import plan_powersgd
 
 __all__ = ["check_state_dict", "memory_numels"]
 

@@ -12,8 +12,8 @@ at exit (see tests/test_process_exit.py). torch leaves this to the user (pytorch
 Lightning destroys the group at exit for NCCL only.
 
 The strategies call :func:`destroy_process_group_at_exit` once their group exists. The handler first stops
-our own threads -- the communication thread (:func:`lightning_ddpx.launcher.close_all_launchers`) and the
-progress writer (:func:`lightning_ddpx.diagnosis.close_all_boards`), which can be inside a store write, a
+our own threads -- the communication thread (:func:`lightning_ddpx.engine.launcher.close_all_launchers`) and the
+progress writer (:func:`lightning_ddpx.engine.diagnosis.close_all_boards`), which can be inside a store write, a
 C++ call, at exit -- then destroys the group
 on a helper thread and waits at most :data:`DESTROY_TIMEOUT_S`: destroying waits for pending
 collectives, which after a failure may wait on a peer that is gone, and an exit must never hang.
@@ -27,8 +27,8 @@ import threading
 
 import torch.distributed as dist
 
-from lightning_ddpx.diagnosis import close_all_boards
-from lightning_ddpx.launcher import close_all_launchers
+from lightning_ddpx.engine.diagnosis import close_all_boards
+from lightning_ddpx.engine.launcher import close_all_launchers
 
 __all__ = ["DESTROY_TIMEOUT_S", "destroy_process_group_at_exit"]
 

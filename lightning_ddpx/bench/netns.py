@@ -63,7 +63,7 @@ def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess:
     result = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     if check and result.returncode != 0:
         raise RuntimeError(
-            f"lightning_ddpx.netns: `{' '.join(argv)}` failed (exit {result.returncode}): "
+            f"lightning_ddpx.bench.netns: `{' '.join(argv)}` failed (exit {result.returncode}): "
             f"{result.stderr.strip() or result.stdout.strip()}"
         )
     return result
@@ -161,7 +161,7 @@ class VethLink:
     def __enter__(self) -> VethLink:
         reason = netns_unavailable_reason()
         if reason is not None:
-            raise RuntimeError(f"lightning_ddpx.netns: cannot create a VethLink: {reason}")
+            raise RuntimeError(f"lightning_ddpx.bench.netns: cannot create a VethLink: {reason}")
         remove_stale_namespaces(self.prefix)
         self._created = True
         _LIVE.add(self)
@@ -212,7 +212,7 @@ class VethLink:
                            "limit", "100000"], check=False)  # fmt: skip
             if result.returncode != 0:
                 raise RuntimeError(
-                    f"lightning_ddpx.netns: delay_ms={self.delay_ms} needs tc's netem qdisc, which failed here "
+                    f"lightning_ddpx.bench.netns: delay_ms={self.delay_ms} needs tc's netem qdisc, which failed here "
                     f"({result.stderr.strip()}); load the kernel module sch_netem or pass delay_ms=0"
                 )
             parent = ["parent", "1:1"]

@@ -9,7 +9,7 @@ and cluster environments stay Lightning's (we subclass ``DDPStrategy`` for them)
 - the communication hook is chosen by name (``comm_hook="powersgd"``) or passed as a callable, and is
   applied on every device (Lightning registers hooks on CUDA only and ignores them on CPU);
 - the hook's state (PowerSGD error feedback of every rank, shared warm-start memory, iteration) goes into
-  the checkpoint Lightning writes and is restored on resume (see :mod:`lightning_ddpx.checkpoint_state`).
+  the checkpoint Lightning writes and is restored on resume (see :mod:`lightning_ddpx.lightning.checkpoint_state`).
 """
 
 from __future__ import annotations
@@ -38,18 +38,18 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_ddpx import checkpoint_state, local_replicas, post_local_sgd_setup
-from lightning_ddpx.checkpoint_io import AtomicCheckpointIO
-from lightning_ddpx.compile import apply_lightning_compile
-from lightning_ddpx.config import CommHookFn, DDPXConfigAttributes, register_strategy_names
-from lightning_ddpx.consistency import broadcast_from_rank0
-from lightning_ddpx.ddp_kwargs import build_ddpx_config
-from lightning_ddpx.distributed import DistributedDataParallel
-from lightning_ddpx.errors import waiting_for
+from lightning_ddpx.engine.compile import apply_lightning_compile
+from lightning_ddpx.engine.consistency import broadcast_from_rank0
+from lightning_ddpx.engine.errors import waiting_for
+from lightning_ddpx.engine.module import DistributedDataParallel
 from lightning_ddpx.hooks import PostLocalSGDOptions, PowerSGDOptions
-from lightning_ddpx.model_averaging import ModelAverager
-from lightning_ddpx.process_exit import destroy_process_group_at_exit
-from lightning_ddpx.uneven import StepQueue, UnevenInputs
+from lightning_ddpx.hooks.model_averaging import ModelAverager
+from lightning_ddpx.lightning import checkpoint_state, local_replicas, post_local_sgd_setup
+from lightning_ddpx.lightning.checkpoint_io import AtomicCheckpointIO
+from lightning_ddpx.lightning.config import CommHookFn, DDPXConfigAttributes, register_strategy_names
+from lightning_ddpx.lightning.ddp_kwargs import build_ddpx_config
+from lightning_ddpx.lightning.process_exit import destroy_process_group_at_exit
+from lightning_ddpx.lightning.uneven import StepQueue, UnevenInputs
 
 __all__ = ["DDPXStrategy"]
 
@@ -62,7 +62,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     Takes every argument of Lightning's ``DDPStrategy`` (``ddp_comm_hook``, ``ddp_comm_state`` and
     ``ddp_comm_wrapper`` are other spellings of ``comm_hook``, ``comm_state`` and ``comm_wrapper``) and every
     torch DDP keyword argument Lightning passes through: honoured with torch's meaning, or refused with an
-    error saying what to do instead (table in docs/strategy.md; :mod:`lightning_ddpx.ddp_kwargs`). Plus:
+    error saying what to do instead (table in docs/strategy.md; :mod:`lightning_ddpx.lightning.ddp_kwargs`). Plus:
 
     Args:
         comm_hook: a registered hook name (``allreduce``, ``fp16``, ``bf16``, ``powersgd``,
@@ -94,8 +94,8 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             (Lightning's ``ddp``: the job hangs until the timeout). See ``docs/uneven-inputs.md``.
 
     The options are read back as attributes (``strategy.comm_hook``, ``strategy.powersgd``, ...) from
-    ``strategy.ddpx_config``, the :class:`~lightning_ddpx.config.DDPXConfig` shared with the Fabric strategy
-    (:mod:`lightning_ddpx.fabric`).
+    ``strategy.ddpx_config``, the :class:`~lightning_ddpx.lightning.config.DDPXConfig` shared with the Fabric strategy
+    (:mod:`lightning_ddpx.lightning.fabric`).
     """
 
     strategy_name = "ddpx"
@@ -189,7 +189,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     @property
     @override
     def checkpoint_io(self) -> CheckpointIO:
-        """Lightning's default, made atomic: :class:`~lightning_ddpx.checkpoint_io.AtomicCheckpointIO`
+        """Lightning's default, made atomic: :class:`~lightning_ddpx.lightning.checkpoint_io.AtomicCheckpointIO`
         unless a CheckpointIO was given (argument or ``Trainer(plugins=...)``); a wrapping plugin such as
         ``AsyncCheckpointIO`` without an inner IO gets the atomic one inside."""
         if self._checkpoint_io is None:
@@ -416,7 +416,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         return checkpoint
 
     def _add_local_replicas(self, checkpoint: dict[str, Any]) -> None:
-        """Post-local SGD: every rank's weights and optimizer state (see :mod:`lightning_ddpx.local_replicas`)."""
+        """Post-local SGD: every rank's weights and optimizer state (see :mod:`lightning_ddpx.lightning.local_replicas`)."""
         if not local_replicas.replicas_may_differ(self._hook_state, averaging=True):
             return
         mine = {"state_dict": checkpoint["state_dict"], "optimizer_states": checkpoint["optimizer_states"]}

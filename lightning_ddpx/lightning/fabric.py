@@ -1,7 +1,7 @@
 """``DDPXStrategy`` for Lightning Fabric: ``Fabric(strategy="ddpx")`` on lightning_ddpx's module and hooks.
 
 The Fabric twin of :class:`lightning_ddpx.DDPXStrategy` (the Trainer one): the same options, validated and
-applied by the same :class:`~lightning_ddpx.config.DDPXConfig`. Launching and rendezvous stay Fabric's (we
+applied by the same :class:`~lightning_ddpx.lightning.config.DDPXConfig`. Launching and rendezvous stay Fabric's (we
 subclass its ``DDPStrategy``). What changes:
 
 - ``fabric.setup(model, ...)`` wraps the model in :class:`lightning_ddpx.DistributedDataParallel` and
@@ -36,17 +36,17 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_ddpx import local_replicas, post_local_sgd_setup
-from lightning_ddpx.checkpoint_io import AtomicCheckpointIO
-from lightning_ddpx.checkpoint_state import CHECKPOINT_KEY
-from lightning_ddpx.comm_stats import CommStatsSummary
-from lightning_ddpx.config import CommHookFn, DDPXConfigAttributes, register_strategy_names
-from lightning_ddpx.ddp_kwargs import build_ddpx_config
-from lightning_ddpx.distributed import DistributedDataParallel
+from lightning_ddpx.engine.comm_stats import CommStatsSummary
+from lightning_ddpx.engine.module import DistributedDataParallel
 from lightning_ddpx.hooks import PostLocalSGDOptions, PowerSGDOptions
-from lightning_ddpx.model_averaging import ModelAverager
-from lightning_ddpx.process_exit import destroy_process_group_at_exit
-from lightning_ddpx.uneven import StepInfo, StepQueue, UnevenInputs
+from lightning_ddpx.hooks.model_averaging import ModelAverager
+from lightning_ddpx.lightning import local_replicas, post_local_sgd_setup
+from lightning_ddpx.lightning.checkpoint_io import AtomicCheckpointIO
+from lightning_ddpx.lightning.checkpoint_state import CHECKPOINT_KEY
+from lightning_ddpx.lightning.config import CommHookFn, DDPXConfigAttributes, register_strategy_names
+from lightning_ddpx.lightning.ddp_kwargs import build_ddpx_config
+from lightning_ddpx.lightning.process_exit import destroy_process_group_at_exit
+from lightning_ddpx.lightning.uneven import StepInfo, StepQueue, UnevenInputs
 
 __all__ = ["DDPXStrategy", "take_comm_stats"]
 
@@ -151,7 +151,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     @property
     @override
     def checkpoint_io(self) -> CheckpointIO:
-        """Fabric's default, made atomic (:class:`~lightning_ddpx.checkpoint_io.AtomicCheckpointIO`),
+        """Fabric's default, made atomic (:class:`~lightning_ddpx.lightning.checkpoint_io.AtomicCheckpointIO`),
         unless a CheckpointIO was given."""
         if self._checkpoint_io is None:
             self._checkpoint_io = AtomicCheckpointIO()
@@ -312,7 +312,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         self, state: Mapping[str, Any], modules: Mapping[str, DistributedDataParallel]
     ) -> Optional[list[Any]]:
         """Post-local SGD: every rank's modules and optimizers of ``state``, on rank 0 (a collective; see
-        :mod:`lightning_ddpx.local_replicas`). ``None`` while the replicas are still identical."""
+        :mod:`lightning_ddpx.lightning.local_replicas`). ``None`` while the replicas are still identical."""
         averaged = {id(module): averager for module, averager in self._averaged}
         if not any(
             local_replicas.replicas_may_differ(module.comm_hook_state, id(module) in averaged)

@@ -16,14 +16,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from lightning_ddpx.bucketing import BucketInfo, megabytes_to_bytes
-from lightning_ddpx.comm_stats import CommStatsSummary, StepCommStats
-from lightning_ddpx.consistency import broadcast_from_rank0, verify_same_parameters, verify_same_settings
-from lightning_ddpx.errors import waiting_for
-from lightning_ddpx.hooks.backend_support import check_bf16_hook
-from lightning_ddpx.join import DDPXJoinHook, announce, broadcast_from
-from lightning_ddpx.profiling import label
-from lightning_ddpx.reducer import CommHook, Phase, Reducer
+from lightning_ddpx.engine.backend_support import check_bf16_hook
+from lightning_ddpx.engine.bucketing import BucketInfo, megabytes_to_bytes
+from lightning_ddpx.engine.comm_stats import CommStatsSummary, StepCommStats
+from lightning_ddpx.engine.consistency import (
+    broadcast_from_rank0,
+    verify_same_parameters,
+    verify_same_settings,
+)
+from lightning_ddpx.engine.errors import waiting_for
+from lightning_ddpx.engine.join import DDPXJoinHook, announce, broadcast_from
+from lightning_ddpx.engine.profiling import label
+from lightning_ddpx.engine.reducer import CommHook, Phase, Reducer
 
 __all__ = ["DistributedDataParallel"]
 
@@ -85,7 +89,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.require_backward_grad_sync = True
         self._sync_buffers_next_forward = True  # torch: only after a forward that synchronised
         # The rank whose buffers every forward broadcasts. The strategies' uneven-inputs handling moves it off
-        # a rank that is only replaying (lightning_ddpx.uneven); inside join() the join protocol picks it.
+        # a rank that is only replaying (lightning_ddpx.lightning.uneven); inside join() the join protocol picks it.
         self.buffer_source_rank = 0
 
         named = list(module.named_parameters())
@@ -299,7 +303,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Use ``hook(state, bucket) -> Future[Tensor]`` to reduce each bucket (torch's signature).
 
-        Call once, before the first backward. See :mod:`lightning_ddpx.grad_bucket` for how hooks are
+        Call once, before the first backward. See :mod:`lightning_ddpx.engine.grad_bucket` for how hooks are
         launched and the ordering guarantee.
         """
         _validate_hook(hook)
@@ -356,7 +360,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         """Communication of the last synchronised step on this rank (``None`` before the first).
 
         Bytes handed to the hook, bytes its collectives sent (if the hook reports them, as every built-in
-        hook does), time inside hook calls and exposed communication; see :mod:`lightning_ddpx.comm_stats`.
+        hook does), time inside hook calls and exposed communication; see :mod:`lightning_ddpx.engine.comm_stats`.
         """
         return self.reducer.last_step_stats
 

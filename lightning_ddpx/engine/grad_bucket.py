@@ -97,7 +97,7 @@ class GradBucket:
         """The parameters' names in the wrapped module, in bucket order (``None`` if not given).
 
         Not in torch's ``GradBucket``: stateful hooks use it to key their memory by parameter, so that it
-        survives a change of bucket layout (see :mod:`lightning_ddpx.hooks.powersgd_remap`).
+        survives a change of bucket layout (see :mod:`lightning_ddpx.hooks.powersgd.remap`).
         """
         return self._names
 

@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook, _JoinConfig
 
-from lightning_ddpx.errors import waiting_for
+from lightning_ddpx.engine.errors import waiting_for
 
 if TYPE_CHECKING:
-    from lightning_ddpx.distributed import DistributedDataParallel
+    from lightning_ddpx.engine.module import DistributedDataParallel
 
 __all__ = ["DDPXJoinHook", "JoinRound", "announce", "broadcast_from"]
 

@@ -25,7 +25,7 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
-from lightning_ddpx.distributed import DistributedDataParallel
+from lightning_ddpx.engine.module import DistributedDataParallel
 
 __all__ = ["GraphSplit", "apply_lightning_compile", "compile_model", "compiled_graphs"]
 

@@ -22,8 +22,8 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as torch_post_local_sgd
 
+from lightning_ddpx.hooks.model_averaging import ModelAverager, PeriodicModelAverager
 from lightning_ddpx.hooks.post_local_sgd import PostLocalSGDOptions, PostLocalSGDState, from_torch_state
-from lightning_ddpx.model_averaging import ModelAverager, PeriodicModelAverager
 
 __all__ = ["adopt_torch_state", "averager_for", "average_after_step", "check_optimizers", "resolve_options"]
 

@@ -21,7 +21,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 if TYPE_CHECKING:
-    from lightning_ddpx.config import DDPXConfig
+    from lightning_ddpx.lightning.config import DDPXConfig
 
 __all__ = [
     "HONOURED",
@@ -213,7 +213,7 @@ def merge_lightning_hook_args(
             f"got {type(ddp_comm_wrapper).__name__}."
         )
     if isinstance(hook, str):
-        from lightning_ddpx.config import _resolve_comm_hook
+        from lightning_ddpx.lightning.config import _resolve_comm_hook
 
         hook = _resolve_comm_hook(hook)  # an import path becomes the callable; a registered name stays
     if hook is None or isinstance(hook, str):
@@ -247,14 +247,14 @@ def build_ddpx_config(
     batched_grad_copy: bool = False,
     **options: Any,
 ) -> "DDPXConfig":
-    """The strategies' :class:`~lightning_ddpx.config.DDPXConfig` from every argument they take.
+    """The strategies' :class:`~lightning_ddpx.lightning.config.DDPXConfig` from every argument they take.
 
     ``options`` are DDPXConfig's own fields; the rest are Lightning's and torch's spellings, mapped here.
     ``skip_all_reduce_unused_params`` and ``batched_grad_copy`` are accepted as what they are in torch,
     optimisations that leave every gradient unchanged: our reducer already copies each bucket in one batched
     call, and parameters unused on every rank keep their gradient untouched either way.
     """
-    from lightning_ddpx.config import DDPXConfig
+    from lightning_ddpx.lightning.config import DDPXConfig
 
     check_passthrough_kwargs(passthrough, owner)
     for name, value in (

@@ -18,7 +18,8 @@ from typing import Sequence
 
 import torch
 
-from lightning_ddpx.hooks.layout import PowerSGDPlan, TensorSlot
+from lightning_ddpx.hooks.layout import TensorSlot
+from lightning_ddpx.hooks.powersgd.plan import PowerSGDPlan
 
 __all__ = ["assemble", "explode", "slots_of"]
 

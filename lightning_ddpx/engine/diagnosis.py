@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_ddpx.errors import CommunicationError
+from lightning_ddpx.engine.errors import CommunicationError
 
 __all__ = [
     "DEBUG_ENV",

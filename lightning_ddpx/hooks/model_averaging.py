@@ -25,7 +25,7 @@ from typing import Any, Iterable, Mapping, Union
 import torch
 import torch.distributed as dist
 
-from lightning_ddpx.errors import waiting_for
+from lightning_ddpx.engine.errors import waiting_for
 
 __all__ = [
     "HierarchicalModelAverager",

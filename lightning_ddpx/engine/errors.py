@@ -44,7 +44,7 @@ def describe_failure(what: str, process_group: dist.ProcessGroup | None, error: 
         cause = f"{peer} exited or crashed (check its log for the first error)"
     else:
         cause = "the collective failed"
-    from lightning_ddpx.diagnosis import peer_report  # imports this module: import late
+    from lightning_ddpx.engine.diagnosis import peer_report  # imports this module: import late
 
     peers = peer_report(process_group)
     return (

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from lightning_ddpx.errors import CommunicationError, waiting_for
+from lightning_ddpx.engine.errors import CommunicationError, waiting_for
 
 __all__ = ["bf16_reduction_problem", "check_bf16_hook", "reduces_in_bfloat16"]
 
