@@ -21,7 +21,9 @@ import torch
 from lightning_ddpx.bench.launch import free_port
 
 _CONTEXT = mp.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "lightning", "lightning_ddpx"])  # lightning: most tests train with it
+_CONTEXT.set_forkserver_preload(
+    ["torch", "torch.distributed", "lightning", "lightning_ddpx"]
+)  # lightning: most tests train with it
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -327,7 +327,7 @@ CASES: list[Case] = [
          ("['rank']", "valid options are", "matrix_approximation_rank")),
     Case("powersgd_options_for_optionless_hook",
          lambda: build_comm_hook("fp16", powersgd={"matrix_approximation_rank": 2}), ValueError,
-         ("'fp16'", "takes no PowerSGD options", "'powersgd'")),
+         ("'fp16'", "takes no powersgd options", "'powersgd'")),
     Case("bucket_cap_not_positive", lambda: DDP(nn.Linear(2, 2), bucket_cap_mb=0), ValueError,
          ("bucket_cap_mb", "got 0", "positive number of MiB", "25")),
     Case("first_bucket_cap_not_positive", lambda: DDP(nn.Linear(2, 2), first_bucket_cap_mb=-1.0), ValueError,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import math
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -215,7 +216,7 @@ def test_unknown_names_and_wrappers_list_the_valid_ones() -> None:
         ValueError, match=r"unknown hook wrapper 'fp8'; valid wrappers are \['bf16', 'fp16'\]"
     ):
         build_comm_hook("allreduce", wrapper="fp8")
-    with pytest.raises(ValueError, match="takes no PowerSGD options"):
+    with pytest.raises(ValueError, match="takes no powersgd options"):
         build_comm_hook("fp16", powersgd={"matrix_approximation_rank": 2})
     with pytest.raises(ValueError, match="start_powerSGD_iter"):
         build_comm_hook("powersgd", powersgd={"start_powerSGD_iter": 1})
@@ -469,3 +470,40 @@ def test_q_draws_fill_a_2d_q_on_any_device():
     _draw_q(PowerSGDState(None, random_seed=3), square, (244,))
     assert torch.equal(square.view(-1), flat)
     _draw_q(PowerSGDState(None, random_seed=3), torch.empty(122, 2, device="meta"), (244,))
+
+
+def test_a_registered_hook_carries_its_own_options_type() -> None:
+    """A user's configurable hook registers as PowerSGD does: dict options parsed into its type, a typo or
+    another hook's options refused before any communication."""
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class ScaleOptions:
+        factor: float = 1.0
+
+    seen = []
+
+    def factory(process_group: Any, options: ScaleOptions | None) -> tuple[Any, Any]:
+        seen.append(options)
+        return process_group, allreduce_hook
+
+    register_hook_name("test_units_scaled", factory, options_type=ScaleOptions, replace=True)
+    build_comm_hook("test_units_scaled", options={"factor": 0.5})
+    build_comm_hook("test_units_scaled", options=ScaleOptions(2.0))
+    build_comm_hook("test_units_scaled")
+    assert seen == [ScaleOptions(0.5), ScaleOptions(2.0), None]
+    with pytest.raises(
+        TypeError,
+        match=r"unknown options option\(s\) \['factr'\] for hook 'test_units_scaled'; its options are \['factor'\]",
+    ):
+        build_comm_hook("test_units_scaled", options={"factr": 0.5})
+    with pytest.raises(TypeError, match="options must be a ScaleOptions or a dict of its fields, got list"):
+        build_comm_hook("test_units_scaled", options=[0.5])
+    with pytest.raises(ValueError, match="'test_units_scaled' takes no powersgd options"):
+        build_comm_hook("test_units_scaled", powersgd={"matrix_approximation_rank": 2})
+    with pytest.raises(ValueError, match="'allreduce' takes no options options; drop `options=`"):
+        build_comm_hook("allreduce", options={"factor": 0.5})
+    with pytest.raises(ValueError, match="'test_units_scaled'"):  # the error lists who takes options=
+        build_comm_hook("noop", options={"factor": 0.5})
+    with pytest.raises(TypeError, match="options_type for hook 'x' must be a class"):
+        register_hook_name("x", factory, options_type="ScaleOptions")  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ in the strategies.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Literal, Mapping, Optional, Union
 
 import torch.distributed as dist
@@ -28,6 +28,7 @@ from lightning_ddpx.hooks import (
     build_comm_hook,
     fp16_compress_wrapper,
 )
+from lightning_ddpx.hooks.registry import hook_entry, hooks_taking
 from lightning_ddpx.lightning import checkpoint_state, post_local_sgd_setup
 from lightning_ddpx.lightning.uneven import LockstepLoader, StepQueue, UnevenInputs, check_uneven_inputs
 
@@ -39,8 +40,38 @@ _WRAPPERS: dict[str, Callable[[CommHookFn], CommHookFn]] = {
     "fp16": fp16_compress_wrapper,
     "bf16": bf16_compress_wrapper,
 }
-_POWERSGD_HOOKS = ("powersgd", "batched_powersgd")  # the built-in names that take PowerSGDOptions
-_OPTIONLESS_HOOKS = ("allreduce", "fp16", "bf16", "noop")  # the built-in names that take none
+
+
+def _option(
+    default: Any,
+    doc: str,
+    *,
+    check: Optional[Callable[[Any], None]] = None,
+    strategies: tuple[str, ...] = ("Trainer", "Fabric"),
+    fabric_doc: Optional[str] = None,
+) -> Any:
+    """Declare one option: its default, what it does (the strategies' docstrings and the docs tables are
+    made from ``doc``; see :mod:`lightning_ddpx.lightning.options`), its own check, which strategies take it."""
+    metadata = {"doc": doc, "check": check, "strategies": strategies, "fabric_doc": fabric_doc}
+    return field(default=default, metadata=metadata)
+
+
+def _positive_megabytes(name: str) -> Callable[[Any], None]:
+    def check(value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"DDPXStrategy: {name} must be a positive number of MiB, got {value!r}.")
+
+    return check
+
+
+def _check_stats_interval(every_n_steps: Any) -> None:
+    if every_n_steps is None:
+        return
+    if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+        raise ValueError(
+            f"DDPXStrategy: comm_stats_every_n_steps must be a positive number of steps or None (no logging), "
+            f"got {every_n_steps!r}."
+        )
 
 
 @dataclass(frozen=True)
@@ -51,35 +82,96 @@ class DDPXConfig:
     :class:`~lightning_ddpx.hooks.PowerSGDOptions`, and the bucket caps become floats.
     """
 
-    # A registered hook name, a callable hook(state, bucket), or its import path; None: mean allreduce.
-    comm_hook: Optional[Union[str, CommHookFn]] = None
-    # The state passed to a callable comm_hook (named hooks build their own).
-    comm_state: Optional[Any] = None
-    # "fp16"/"bf16": compress each bucket before the hook, decompress its result.
-    comm_wrapper: Optional[Literal["fp16", "bf16"]] = None
-    # Options of comm_hook="powersgd"/"batched_powersgd" (a PowerSGDOptions or a dict of its fields).
-    powersgd: Optional[Union[PowerSGDOptions, dict[str, Any]]] = None
-    # Options of comm_hook="post_local_sgd" (a PostLocalSGDOptions or a dict of its fields).
-    post_local_sgd: Optional[Union[PostLocalSGDOptions, dict[str, Any]]] = None
-    # Lightning's: average the model every N steps after post-local SGD starts (see post_local_sgd_setup).
-    model_averaging_period: Optional[int] = None
-    # The rest goes to lightning_ddpx.DistributedDataParallel unchanged.
-    bucket_cap_mb: float = 25.0
-    first_bucket_cap_mb: float = 1.0
-    find_unused_parameters: bool = False
-    broadcast_buffers: bool = True
-    gradient_as_bucket_view: bool = False
-    # torch's static_graph: record used parameters in the first iteration, no graph walk afterwards.
-    static_graph: bool = False
-    # torch's init_sync: check the model across ranks and broadcast rank 0's state at construction.
-    init_sync: bool = True
-    # Ranks with different numbers of training batches: "join" (replay with zero weight until all are done),
-    # "error" (raise naming each rank's batch count) or "off" (Lightning's ddp: a hang). See uneven-inputs.md.
-    uneven_inputs: UnevenInputs = "join"
+    comm_hook: Optional[Union[str, CommHookFn]] = _option(
+        None,
+        "a registered hook name (``allreduce``, ``fp16``, ``bf16``, ``powersgd``, ``batched_powersgd``, "
+        "``post_local_sgd``, ``noop``, or one added with ``lightning_ddpx.hooks.register_hook_name``), a callable "
+        "``hook(state, bucket) -> Future[Tensor]`` such as torch's ``ddp_comm_hooks``, or its import path as a "
+        "string (how YAML names one). ``None``: plain mean allreduce, bit for bit torch's default.",
+    )
+    comm_state: Optional[Any] = _option(
+        None,
+        "the state passed to a callable ``comm_hook`` (e.g. a process group, or an object with "
+        "``state_dict()``/``load_state_dict()`` to be checkpointed). Named hooks build their own.",
+    )
+    comm_wrapper: Optional[Literal["fp16", "bf16"]] = _option(
+        None,
+        '``"fp16"`` or ``"bf16"``: cast each bucket before the hook and its result back (e.g. '
+        '``comm_hook="powersgd", comm_wrapper="fp16"``).',
+    )
+    powersgd: Optional[Union[PowerSGDOptions, dict[str, Any]]] = _option(
+        None,
+        'PowerSGD options for ``comm_hook="powersgd"``/``"batched_powersgd"``, as a ``PowerSGDOptions`` or a '
+        'dict of its fields (``{"matrix_approximation_rank": 4}``). See docs/hooks.md.',
+    )
+    post_local_sgd: Optional[Union[PostLocalSGDOptions, dict[str, Any]]] = _option(
+        None,
+        'options of ``comm_hook="post_local_sgd"`` (``start_localSGD_iter``, ``period``, ``subgroup``, '
+        "``hierarchy``, ``post_local_gradient_allreduce``), as a ``PostLocalSGDOptions`` or a dict. See "
+        "docs/hooks.md (post-local SGD).",
+    )
+    model_averaging_period: Optional[int] = _option(
+        None,
+        "Lightning's: with post-local SGD (the named hook, or torch's or our ``PostLocalSGDState`` as "
+        "``comm_state``), average the parameters every N optimizer steps from ``start_localSGD_iter`` on.",
+        fabric_doc="as in the Trainer strategy: after each ``optimizer.step()`` of an optimizer that holds a "
+        "post-local SGD model's parameters, those parameters are averaged when due; ``fabric.save``/"
+        "``fabric.load`` keep the hook's iteration, the averager's step and every rank's own weights.",
+    )
+    bucket_cap_mb: float = _option(
+        25.0, "gradient bucket size in MiB (torch's default).", check=_positive_megabytes("bucket_cap_mb")
+    )
+    first_bucket_cap_mb: float = _option(
+        1.0,
+        "size of the first bucket launched, kept small so communication starts early.",
+        check=_positive_megabytes("first_bucket_cap_mb"),
+    )
+    find_unused_parameters: bool = _option(
+        False, "allow parameters that get no gradient in an iteration (walks the autograd graph each step)."
+    )
+    broadcast_buffers: bool = _option(
+        True,
+        "copy rank 0's buffers (e.g. BatchNorm statistics) to every rank before each synchronised forward.",
+    )
+    gradient_as_bucket_view: bool = _option(
+        False, "make ``param.grad`` views into the buckets (less memory, one copy fewer per step)."
+    )
+    static_graph: bool = _option(
+        False,
+        "torch's: the first synchronised iteration records which parameters get gradients (and how often); "
+        "afterwards no autograd-graph walk per step. See docs/engine.md (static graph).",
+    )
+    init_sync: bool = _option(
+        True,
+        "torch's: check the model across ranks and broadcast rank 0's parameters and buffers at "
+        "construction. ``False`` skips both (the ranks must already agree).",
+    )
+    uneven_inputs: UnevenInputs = _option(
+        "join",
+        "ranks with different numbers of training batches (an IterableDataset, "
+        '``use_distributed_sampler=False``, a custom sampler): ``"join"`` keeps every rank stepping until the '
+        'last runs out (ranks that ran out replay a batch with zero weight), ``"error"`` raises on every rank '
+        "naming each rank's batch count, ``\"off\"`` does nothing (a hang, as with Lightning's ``ddp``). See "
+        "docs/uneven-inputs.md.",
+        check=check_uneven_inputs,
+        fabric_doc="as in the Trainer strategy, for the loaders given to ``fabric.setup_dataloaders`` when "
+        "iterated with gradients enabled (Fabric cannot tell training from evaluation loaders; a loop under "
+        '``torch.no_grad()`` is left alone): ``"join"``, ``"error"`` or ``"off"``. See docs/uneven-inputs.md.',
+    )
+    comm_stats_every_n_steps: Optional[int] = _option(
+        None,
+        "log communication statistics (bytes to the hook and sent, compression ratio, time in hooks, exposed "
+        "communication; per-step means, rank 0's) to the Trainer's loggers under ``ddpx/`` every N "
+        "synchronised steps. ``None``: nothing is logged.",
+        check=_check_stats_interval,
+        strategies=("Trainer",),  # Fabric has no step loop to log from: fabric.take_comm_stats(model) instead
+    )
 
     def __post_init__(self) -> None:
-        _check_bucket_caps(self.bucket_cap_mb, self.first_bucket_cap_mb)
-        check_uneven_inputs(self.uneven_inputs)
+        for f in fields(self):  # each option's own check, declared with it
+            check = f.metadata.get("check")
+            if check is not None:
+                check(getattr(self, f.name))
         comm_hook = _resolve_comm_hook(self.comm_hook)
         _check_hook_arguments(comm_hook, self.comm_state, self.comm_wrapper)
         # frozen: normalise through object.__setattr__, once, here
@@ -209,34 +301,22 @@ class _ConfigOption:
 
 
 class DDPXConfigAttributes:
-    """Mixin of both strategies: ``strategy.comm_hook``, ``strategy.powersgd``, ... read ``ddpx_config``,
-    so each option lives in one place. Set ``self.ddpx_config`` in ``__init__``."""
+    """Mixin of both strategies: ``strategy.comm_hook``, ``strategy.powersgd``, ... (one read-only attribute per
+    :class:`DDPXConfig` field, made below) read ``ddpx_config``, so each option lives in one place. Set
+    ``self.ddpx_config`` in ``__init__``."""
 
     ddpx_config: DDPXConfig
-    comm_hook = _ConfigOption()
-    comm_state = _ConfigOption()
-    comm_wrapper = _ConfigOption()
-    powersgd = _ConfigOption()
-    post_local_sgd = _ConfigOption()
-    model_averaging_period = _ConfigOption()
-    bucket_cap_mb = _ConfigOption()
-    first_bucket_cap_mb = _ConfigOption()
-    find_unused_parameters = _ConfigOption()
-    broadcast_buffers = _ConfigOption()
-    gradient_as_bucket_view = _ConfigOption()
-    static_graph = _ConfigOption()
-    init_sync = _ConfigOption()
-    uneven_inputs = _ConfigOption()
     hook_name = _ConfigOption()
 
 
+for _field in fields(DDPXConfig):
+    _attribute = _ConfigOption()
+    _attribute.__set_name__(DDPXConfigAttributes, _field.name)
+    setattr(DDPXConfigAttributes, _field.name, _attribute)
+del _field, _attribute
+
+
 # ---------------------------------------------------------------------------------------- validation
-def _check_bucket_caps(bucket_cap_mb: float, first_bucket_cap_mb: float) -> None:
-    for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"DDPXStrategy: {name} must be a positive number of MiB, got {value!r}.")
-
-
 def _check_hook_arguments(comm_hook: Any, comm_state: Any, comm_wrapper: Any) -> None:
     if comm_wrapper is not None and comm_wrapper not in _WRAPPERS:
         raise ValueError(
@@ -299,26 +379,21 @@ def _resolve_comm_hook(comm_hook: Any) -> Any:
 def _powersgd_options(comm_hook: Any, powersgd: Any) -> Optional[PowerSGDOptions]:
     """Validate ``powersgd`` now (a typo in an option name fails in the constructor) and return the dataclass.
 
-    Parsing is the hooks package's (``PowerSGDOptions.from_dict``); this only adds the check that the options
-    go with a hook that takes them.
+    Which hooks take these options, and how they are parsed, is the hook registry's (the entry's options
+    type); this only says it in the strategies' words.
     """
     if powersgd is None:
         return None
-    if not isinstance(comm_hook, str) or comm_hook in (*_OPTIONLESS_HOOKS, post_local_sgd_setup.HOOK_NAME):
+    entry = hook_entry(comm_hook)
+    if entry is None or entry.options_type is None or entry.keyword != "powersgd":
         raise ValueError(
             f"DDPXStrategy: powersgd options are given but comm_hook is {comm_hook!r}, which takes none. "
-            f"Set comm_hook to one of {list(_POWERSGD_HOOKS)} or drop powersgd=..."
+            f"Set comm_hook to one of {hooks_taking('powersgd')} or drop powersgd=..."
         )
-    if isinstance(powersgd, PowerSGDOptions):
-        return powersgd
-    if isinstance(powersgd, Mapping):
-        try:
-            return PowerSGDOptions.from_dict(dict(powersgd))
-        except (TypeError, ValueError) as error:
-            raise type(error)(f"DDPXStrategy: powersgd={dict(powersgd)!r}: {error}") from None
-    raise TypeError(
-        f"DDPXStrategy: powersgd must be a PowerSGDOptions or a dict of its fields, got {type(powersgd).__name__}."
-    )
+    try:
+        return entry.parse(comm_hook, powersgd)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"DDPXStrategy: powersgd={powersgd!r}: {error}") from None
 
 
 def _restore_bucket_layout(module: DistributedDataParallel, entry: Any) -> None:

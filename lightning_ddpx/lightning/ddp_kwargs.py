@@ -235,7 +235,29 @@ def _import(path: str, option: str) -> Any:
         ) from None
 
 
-def build_ddpx_config(
+def build_ddpx_config(owner: str, strategy: str, arguments: Mapping[str, Any]) -> "DDPXConfig":
+    """The :class:`~lightning_ddpx.lightning.config.DDPXConfig` of a ``strategy`` (``"Trainer"``/``"Fabric"``)
+    from every keyword argument beyond Lightning's own that its constructor received.
+
+    Our options (:mod:`lightning_ddpx.lightning.options`) are taken by name, Lightning's and torch's
+    spellings are mapped, and what is left is a torch DDP argument: honoured, refused or unknown here.
+    """
+    from lightning_ddpx.lightning.options import option_names
+
+    accepted = option_names(strategy)
+    elsewhere = sorted(set(arguments) & (option_names() - accepted))
+    if elsewhere:
+        raise TypeError(
+            f"{owner}: {elsewhere[0]} is an option of the other DDPX strategy only (see its docs). "
+            "Fabric has no step loop to log from: read fabric.strategy's statistics with "
+            "lightning_ddpx.fabric.take_comm_stats(model) instead."
+        )
+    ours = {name: value for name, value in arguments.items() if name in accepted}
+    passthrough = {name: value for name, value in arguments.items() if name not in accepted}
+    return _config_from(owner, passthrough, **ours)
+
+
+def _config_from(
     owner: str,
     passthrough: Mapping[str, Any],
     *,
@@ -247,9 +269,7 @@ def build_ddpx_config(
     batched_grad_copy: bool = False,
     **options: Any,
 ) -> "DDPXConfig":
-    """The strategies' :class:`~lightning_ddpx.lightning.config.DDPXConfig` from every argument they take.
-
-    ``options`` are DDPXConfig's own fields; the rest are Lightning's and torch's spellings, mapped here.
+    """``options`` are DDPXConfig's own fields; the rest are Lightning's and torch's spellings, mapped here.
     ``skip_all_reduce_unused_params`` and ``batched_grad_copy`` are accepted as what they are in torch,
     optimisations that leave every gradient unchanged: our reducer already copies each bucket in one batched
     call, and parameters unused on every rank keep their gradient untouched either way.

@@ -38,41 +38,29 @@ from typing_extensions import override
 
 from lightning_ddpx.engine.comm_stats import CommStatsSummary
 from lightning_ddpx.engine.module import DistributedDataParallel
-from lightning_ddpx.hooks import PostLocalSGDOptions, PowerSGDOptions
 from lightning_ddpx.hooks.model_averaging import ModelAverager
 from lightning_ddpx.lightning import local_replicas, post_local_sgd_setup
 from lightning_ddpx.lightning.checkpoint_io import AtomicCheckpointIO
 from lightning_ddpx.lightning.checkpoint_state import CHECKPOINT_KEY
-from lightning_ddpx.lightning.config import CommHookFn, DDPXConfigAttributes, register_strategy_names
+from lightning_ddpx.lightning.config import DDPXConfigAttributes, register_strategy_names
 from lightning_ddpx.lightning.ddp_kwargs import build_ddpx_config
+from lightning_ddpx.lightning.options import takes_ddpx_options
 from lightning_ddpx.lightning.process_exit import destroy_process_group_at_exit
-from lightning_ddpx.lightning.uneven import StepInfo, StepQueue, UnevenInputs
+from lightning_ddpx.lightning.uneven import StepInfo, StepQueue
 
 __all__ = ["DDPXStrategy", "take_comm_stats"]
 
 log = logging.getLogger(__name__)
 
 
+@takes_ddpx_options("Fabric")
 class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     """Fabric's multi-process data parallelism with lightning_ddpx's gradient reducer and communication hooks.
 
     Takes every argument of Fabric's ``DDPStrategy``, torch's DDP keyword arguments (honoured or refused
     with an error, as in the Trainer strategy) and Lightning's ``ddp_comm_hook``/``ddp_comm_state``/
-    ``ddp_comm_wrapper`` spellings, plus the options of the Trainer strategy (:class:`lightning_ddpx.DDPXStrategy`), with the same meaning and the same checks:
-
-    Args:
-        comm_hook: a registered hook name (``lightning_ddpx.hooks.available_hooks()``), a callable
-            ``hook(state, bucket) -> Future[Tensor]``, or its import path. ``None``: plain mean allreduce.
-        comm_state: the state passed to a callable ``comm_hook``. Named hooks build their own, one per model.
-        comm_wrapper: ``"fp16"`` or ``"bf16"`` to compress buckets before the hook and decompress after.
-        powersgd: options of ``comm_hook="powersgd"``/``"batched_powersgd"`` (``PowerSGDOptions`` or a dict).
-        post_local_sgd, model_averaging_period: post-local SGD as in the Trainer strategy; the parameters
-            of each model with a post-local SGD hook are averaged after ``optimizer.step()`` when due.
-        bucket_cap_mb, first_bucket_cap_mb, find_unused_parameters, broadcast_buffers,
-            gradient_as_bucket_view: passed to :class:`lightning_ddpx.DistributedDataParallel`.
-        uneven_inputs: ``"join"`` (default), ``"error"`` or ``"off"``, as in the Trainer strategy, for the
-            loaders passed to ``fabric.setup_dataloaders`` when iterated with gradients enabled (Fabric cannot
-            tell training from evaluation loaders; an evaluation loop under ``torch.no_grad()`` is left alone).
+    ``ddp_comm_wrapper`` spellings, plus the options below (declared once for both strategies in
+    :mod:`lightning_ddpx.lightning.options`, keyword-only), with the Trainer strategy's meaning and checks.
     """
 
     def __init__(
@@ -82,56 +70,13 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         cluster_environment: Optional[ClusterEnvironment] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision: Optional[Precision] = None,
-        comm_hook: Optional[Union[str, CommHookFn]] = None,
-        comm_state: Optional[Any] = None,
-        comm_wrapper: Optional[Literal["fp16", "bf16"]] = None,
-        powersgd: Optional[Union[PowerSGDOptions, dict[str, Any]]] = None,
-        post_local_sgd: Optional[Union[PostLocalSGDOptions, dict[str, Any]]] = None,
-        bucket_cap_mb: float = 25.0,
-        first_bucket_cap_mb: float = 1.0,
-        find_unused_parameters: bool = False,
-        broadcast_buffers: bool = True,
-        gradient_as_bucket_view: bool = False,
-        model_averaging_period: Optional[int] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        ddp_comm_state: Optional[Any] = None,
-        ddp_comm_hook: Optional[Union[str, CommHookFn]] = None,
-        ddp_comm_wrapper: Optional[Union[str, Callable[[CommHookFn], CommHookFn]]] = None,
-        static_graph: bool = False,
-        init_sync: bool = True,
-        forward_sync_buffers: Optional[bool] = None,
-        skip_all_reduce_unused_params: bool = False,
-        batched_grad_copy: bool = False,
-        uneven_inputs: UnevenInputs = "join",
-        **kwargs: Any,
+        **kwargs: Any,  # ours (the signature lists them: takes_ddpx_options) and torch DDP's, checked by name
     ) -> None:
         # Validate before Fabric sees the strategy: a typo fails at once, not after launch.
-        self.ddpx_config = build_ddpx_config(
-            type(self).__name__,
-            kwargs,  # torch DDP keyword arguments Lightning would pass through: refused unless harmless
-            comm_hook=comm_hook,
-            comm_state=comm_state,
-            comm_wrapper=comm_wrapper,
-            ddp_comm_hook=ddp_comm_hook,
-            ddp_comm_state=ddp_comm_state,
-            ddp_comm_wrapper=ddp_comm_wrapper,
-            powersgd=powersgd,
-            post_local_sgd=post_local_sgd,
-            model_averaging_period=model_averaging_period,
-            bucket_cap_mb=bucket_cap_mb,
-            first_bucket_cap_mb=first_bucket_cap_mb,
-            find_unused_parameters=find_unused_parameters,
-            broadcast_buffers=broadcast_buffers,
-            forward_sync_buffers=forward_sync_buffers,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            static_graph=static_graph,
-            init_sync=init_sync,
-            skip_all_reduce_unused_params=skip_all_reduce_unused_params,
-            batched_grad_copy=batched_grad_copy,
-            uneven_inputs=uneven_inputs,
-        )
+        self.ddpx_config = build_ddpx_config(type(self).__name__, "Fabric", kwargs)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

@@ -42,56 +42,29 @@ from lightning_ddpx.engine.compile import apply_lightning_compile
 from lightning_ddpx.engine.consistency import broadcast_from_rank0
 from lightning_ddpx.engine.errors import waiting_for
 from lightning_ddpx.engine.module import DistributedDataParallel
-from lightning_ddpx.hooks import PostLocalSGDOptions, PowerSGDOptions
 from lightning_ddpx.hooks.model_averaging import ModelAverager
 from lightning_ddpx.lightning import checkpoint_state, local_replicas, post_local_sgd_setup
 from lightning_ddpx.lightning.checkpoint_io import AtomicCheckpointIO
-from lightning_ddpx.lightning.config import CommHookFn, DDPXConfigAttributes, register_strategy_names
+from lightning_ddpx.lightning.config import DDPXConfigAttributes, register_strategy_names
 from lightning_ddpx.lightning.ddp_kwargs import build_ddpx_config
+from lightning_ddpx.lightning.options import takes_ddpx_options
 from lightning_ddpx.lightning.process_exit import destroy_process_group_at_exit
-from lightning_ddpx.lightning.uneven import StepQueue, UnevenInputs
+from lightning_ddpx.lightning.uneven import StepQueue
 
 __all__ = ["DDPXStrategy"]
 
 log = logging.getLogger(__name__)
 
 
+@takes_ddpx_options("Trainer")
 class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     """Multi-process data parallelism with lightning_ddpx's gradient reducer and communication hooks.
 
     Takes every argument of Lightning's ``DDPStrategy`` (``ddp_comm_hook``, ``ddp_comm_state`` and
     ``ddp_comm_wrapper`` are other spellings of ``comm_hook``, ``comm_state`` and ``comm_wrapper``) and every
     torch DDP keyword argument Lightning passes through: honoured with torch's meaning, or refused with an
-    error saying what to do instead (table in docs/strategy.md; :mod:`lightning_ddpx.lightning.ddp_kwargs`). Plus:
-
-    Args:
-        comm_hook: a registered hook name (``allreduce``, ``fp16``, ``bf16``, ``powersgd``,
-            ``batched_powersgd``, ``noop``; see ``lightning_ddpx.hooks.available_hooks()``), a callable
-            ``hook(state, bucket) -> Future[Tensor]`` such as torch's ``ddp_comm_hooks``, or its import path
-            as a string (how YAML names one). ``None``: plain mean allreduce, bit for bit torch's default.
-        comm_state: the state passed to a callable ``comm_hook`` (e.g. a process group, or an object with
-            ``state_dict()``/``load_state_dict()`` to be checkpointed). Named hooks build their own.
-        comm_wrapper: ``"fp16"`` or ``"bf16"`` to compress buckets before the hook and decompress after
-            (e.g. ``comm_hook="powersgd", comm_wrapper="fp16"``).
-        powersgd: PowerSGD options for ``comm_hook="powersgd"``/``"batched_powersgd"``, as a
-            ``PowerSGDOptions`` or a dict of its fields (``{"matrix_approximation_rank": 4}``).
-        post_local_sgd: options of ``comm_hook="post_local_sgd"`` (``PostLocalSGDOptions`` or a dict:
-            ``start_localSGD_iter``, ``period``, ``subgroup``, ``hierarchy``, ``post_local_gradient_allreduce``).
-        model_averaging_period: Lightning's: with post-local SGD (the named hook, or torch's or our
-            ``PostLocalSGDState`` as ``comm_state``), average the parameters every N optimizer steps after
-            ``start_localSGD_iter``. See ``docs/hooks.md`` (post-local SGD).
-        bucket_cap_mb, first_bucket_cap_mb, find_unused_parameters, broadcast_buffers,
-            gradient_as_bucket_view: passed to :class:`lightning_ddpx.DistributedDataParallel`.
-        static_graph, init_sync, forward_sync_buffers, skip_all_reduce_unused_params, batched_grad_copy:
-            torch DDP's arguments, with torch's meaning (see :class:`lightning_ddpx.DistributedDataParallel`).
-        comm_stats_every_n_steps: log communication statistics (bytes to the hook and sent, compression
-            ratio, time in hooks, exposed communication; per-step means, rank 0's) to the Trainer's loggers
-            under ``ddpx/`` every N synchronised steps. ``None`` (default): nothing is logged.
-        uneven_inputs: what to do when ranks have different numbers of training batches (an
-            IterableDataset, ``use_distributed_sampler=False``, a custom sampler): ``"join"`` (default) keeps
-            every rank stepping until the last one runs out, ranks that ran out replaying a batch with zero
-            weight; ``"error"`` raises on every rank naming each rank's batch count; ``"off"`` does nothing
-            (Lightning's ``ddp``: the job hangs until the timeout). See ``docs/uneven-inputs.md``.
+    error saying what to do instead (table in docs/strategy.md; :mod:`lightning_ddpx.lightning.ddp_kwargs`). Plus
+    the options below, declared once for both strategies (:mod:`lightning_ddpx.lightning.options`), keyword-only.
 
     The options are read back as attributes (``strategy.comm_hook``, ``strategy.powersgd``, ...) from
     ``strategy.ddpx_config``, the :class:`~lightning_ddpx.lightning.config.DDPXConfig` shared with the Fabric strategy
@@ -107,58 +80,13 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         cluster_environment: Optional[ClusterEnvironment] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
-        comm_hook: Optional[Union[str, CommHookFn]] = None,
-        comm_state: Optional[Any] = None,
-        comm_wrapper: Optional[Literal["fp16", "bf16"]] = None,
-        powersgd: Optional[Union[PowerSGDOptions, dict[str, Any]]] = None,
-        post_local_sgd: Optional[Union[PostLocalSGDOptions, dict[str, Any]]] = None,
-        bucket_cap_mb: float = 25.0,
-        first_bucket_cap_mb: float = 1.0,
-        find_unused_parameters: bool = False,
-        broadcast_buffers: bool = True,
-        gradient_as_bucket_view: bool = False,
-        model_averaging_period: Optional[int] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        comm_stats_every_n_steps: Optional[int] = None,
-        ddp_comm_state: Optional[Any] = None,
-        ddp_comm_hook: Optional[Union[str, CommHookFn]] = None,
-        ddp_comm_wrapper: Optional[Union[str, Callable[[CommHookFn], CommHookFn]]] = None,
-        static_graph: bool = False,
-        init_sync: bool = True,
-        forward_sync_buffers: Optional[bool] = None,
-        skip_all_reduce_unused_params: bool = False,
-        batched_grad_copy: bool = False,
-        uneven_inputs: UnevenInputs = "join",
-        **kwargs: Any,
+        **kwargs: Any,  # ours (the signature lists them: takes_ddpx_options) and torch DDP's, checked by name
     ) -> None:
         # Validate everything before Lightning sees the strategy: a typo fails at once, not after launch.
-        _check_stats_interval(comm_stats_every_n_steps)
-        self.ddpx_config = build_ddpx_config(
-            type(self).__name__,
-            kwargs,  # torch DDP keyword arguments Lightning would pass through: refused unless harmless
-            comm_hook=comm_hook,
-            comm_state=comm_state,
-            comm_wrapper=comm_wrapper,
-            ddp_comm_hook=ddp_comm_hook,
-            ddp_comm_state=ddp_comm_state,
-            ddp_comm_wrapper=ddp_comm_wrapper,
-            powersgd=powersgd,
-            post_local_sgd=post_local_sgd,
-            model_averaging_period=model_averaging_period,
-            bucket_cap_mb=bucket_cap_mb,
-            first_bucket_cap_mb=first_bucket_cap_mb,
-            find_unused_parameters=find_unused_parameters,
-            broadcast_buffers=broadcast_buffers,
-            forward_sync_buffers=forward_sync_buffers,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            static_graph=static_graph,
-            init_sync=init_sync,
-            skip_all_reduce_unused_params=skip_all_reduce_unused_params,
-            batched_grad_copy=batched_grad_copy,
-            uneven_inputs=uneven_inputs,
-        )
+        self.ddpx_config = build_ddpx_config(type(self).__name__, "Trainer", kwargs)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -182,7 +110,6 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         self._sync_blocked = 0  # depth of block_backward_sync(); read by manual optimisation
         self._averager: Optional[ModelAverager] = None  # post-local SGD: averages after optimizer_step
         self._pending_replica: Optional[dict[str, Any]] = None  # this rank's weights from a checkpoint
-        self.comm_stats_every_n_steps = comm_stats_every_n_steps
         self._uneven_steps = StepQueue()  # what the ranks agreed for each fetched training batch
 
     # ------------------------------------------------------------------------------------ description
@@ -484,16 +411,6 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         register_strategy_names(cls, strategy_registry)
-
-
-def _check_stats_interval(every_n_steps: Any) -> None:
-    if every_n_steps is None:
-        return
-    if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
-        raise ValueError(
-            f"DDPXStrategy: comm_stats_every_n_steps must be a positive number of steps or None (no logging), "
-            f"got {every_n_steps!r}."
-        )
 
 
 def _remove_gradient_hooks(module: DistributedDataParallel) -> None:
