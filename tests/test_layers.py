@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -74,3 +75,22 @@ def test_powersgd_hooks_keep_their_public_module_name() -> None:
     from lightning_ddpx.hooks import batched_powersgd_hook, powersgd_hook
 
     assert powersgd_hook.__module__ == batched_powersgd_hook.__module__ == "lightning_ddpx.hooks.powersgd"
+
+
+LIGHTNING_LAYER = sorted(
+    f"lightning_ddpx.lightning.{path.stem}"
+    for path in (Path(lightning_ddpx.__file__).parent / "lightning").glob("*.py")
+    if path.stem != "__init__"
+)
+
+
+@pytest.mark.parametrize("module", LIGHTNING_LAYER)
+def test_any_lightning_layer_module_imported_first_registers_the_names(module: str) -> None:
+    """Importing a module of the Lightning layer first imports Lightning, whose import registers our names:
+    that must not meet one of our modules half-initialised (a warning would say the registration failed)."""
+    out = _python(
+        "import warnings\nwarnings.simplefilter('error')\n"
+        f"import {module}\n"
+        "from lightning.pytorch.strategies import StrategyRegistry\nprint('ddpx' in StrategyRegistry)"
+    )
+    assert out.splitlines()[-1] == "True"

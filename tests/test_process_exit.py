@@ -121,6 +121,7 @@ RESUME_REPEATS = 30
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # 32 two-process jobs: ~5 min on a quiet 2-core machine, 10+ under load
 def test_resumed_runs_exit_zero_every_time(tmp_path):
     """The abort was intermittent (about 1 in 4 of these runs before the fix): resume a finished PowerSGD
     run, so fit ends milliseconds after its last collective, 30 times; every rank must exit with 0."""

@@ -25,9 +25,10 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
+from lightning_ddpx._compat import torch as torch_compat
 from lightning_ddpx.engine.module import DistributedDataParallel
 
-__all__ = ["GraphSplit", "apply_lightning_compile", "compile_model", "compiled_graphs"]
+__all__ = ["GraphSplit", "PlanAwareCompiled", "compile_model", "compiled_graphs"]
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ def compile_model(
         )
     module = ddp_model.module
     original = _unwrap(module.forward)
-    module.forward = _PlanAwareCompiled(original, ddp_model, backend, split, compile_kwargs)  # type: ignore[method-assign]
+    module.forward = PlanAwareCompiled(original, ddp_model, backend, split, compile_kwargs)  # type: ignore[method-assign]
     return ddp_model
 
 
@@ -88,53 +89,18 @@ def compiled_graphs(ddp_model: DistributedDataParallel) -> list[GraphSplit]:
     module = ddp_model.module
     for name in ("forward", "training_step"):
         compiled = getattr(module, name, None)
-        if isinstance(compiled, _PlanAwareCompiled):
+        if isinstance(compiled, PlanAwareCompiled):
             return list(compiled.graphs)
     return []
 
 
-def apply_lightning_compile(ddp_model: DistributedDataParallel, split: bool = True) -> bool:
-    """Give a LightningModule compiled with ``torch.compile`` the bucket-aligned split; the strategy calls it.
-
-    ``Trainer.fit(torch.compile(module))`` makes Lightning wrap ``forward`` and the ``*_step`` methods with the
-    user's dynamo context. Those run inside our wrapper's forward, so bookkeeping stays out of the graph and
-    results are right as they are; this replaces ``training_step`` by a split-compiled one with the same
-    backend (validation and test steps keep Lightning's: no backward, nothing to overlap). Returns whether
-    the module was compiled. The backend carries ``mode`` and ``options``; ``fullgraph`` and ``dynamic`` are
-    carried over too.
-    """
-    module = ddp_model.module
-    context = getattr(module, "_compiler_ctx", None)
-    if not isinstance(context, dict) or context.get("compiler") != "dynamo":
-        return False
-    from torch._dynamo.eval_frame import innermost_backend
-
-    dynamo_ctx = context["dynamo_ctx"]
-    backend = innermost_backend(dynamo_ctx.callback)  # carries mode/options (e.g. inductor's wrapper)
-    original = context["original_training_step"]
-    compile_kwargs = _user_compile_options(dynamo_ctx)
-    module.training_step = _PlanAwareCompiled(original, ddp_model, backend, split, compile_kwargs)  # type: ignore[method-assign]
-    return True
-
-
-def _user_compile_options(dynamo_ctx: Any) -> dict[str, Any]:
-    """``fullgraph`` and ``dynamic`` of the user's ``torch.compile`` call, read off its dynamo context."""
-    options: dict[str, Any] = {}
-    if getattr(dynamo_ctx, "fullgraph", False):
-        options["fullgraph"] = True
-    dynamic = getattr(dynamo_ctx, "_dynamic", None)
-    if dynamic is not None:
-        options["dynamic"] = dynamic
-    return options
-
-
 def _unwrap(method: Callable[..., Any]) -> Callable[..., Any]:
     """A second compile_model replaces the first instead of stacking."""
-    return method.original if isinstance(method, _PlanAwareCompiled) else method
+    return method.original if isinstance(method, PlanAwareCompiled) else method
 
 
 # ------------------------------------------------------------------------------------- the dispatcher
-class _PlanAwareCompiled:
+class PlanAwareCompiled:
     """Stands in for a module method: eager until the bucket layout is final, then compiled for that plan."""
 
     def __init__(
@@ -186,10 +152,8 @@ class _PlanAwareCompiled:
 
 def _resolve_backend(backend: str | Backend) -> Backend:
     if isinstance(backend, str):
-        from torch._dynamo.backends.registry import lookup_backend
-
         try:
-            return lookup_backend(backend)
+            return torch_compat.lookup_backend(backend)
         except Exception as error:  # noqa: BLE001 - torch raises its own InvalidBackend
             raise ValueError(
                 f"lightning_ddpx.compile_model: unknown backend {backend!r} ({error}); use 'inductor', "
@@ -339,28 +303,24 @@ class _PieceCompiler(fx.Interpreter):
     def __init__(self, module: fx.GraphModule, inner: Backend) -> None:
         super().__init__(module)
         self.inner = inner
-        from torch._guards import TracingContext, detect_fake_mode
-
-        self.context = TracingContext.try_get()
-        self.fake_mode = detect_fake_mode() or torch._subclasses.fake_tensor.FakeTensorMode()
+        self.context = torch_compat.tracing_context()
+        self.fake_mode = torch_compat.fake_mode_of_current_trace()
         if self.context is not None:
-            from torch._dynamo.backends.distributed import DDPOptimizerContext
-
             # Torch's protocol for N AOT graphs under one dynamo graph: each lazily compiled backward finds
             # the forward metadata of its own piece (see torch's Note [DDPOptimizer and fw_metadata]).
-            self.context.ddp_optimizer_ctx = DDPOptimizerContext()
+            self.context.ddp_optimizer_ctx = torch_compat.ddp_optimizer_context()
 
     def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
         assert not kwargs, "split_module pieces take positional arguments only"
         piece = self.fetch_attr(str(target))
         args = tuple(self._fake(a) for a in args)
-        aot_before = _aot_compiles()
+        aot_before = torch_compat.aot_compiles()
         if self.context is not None:
             self.context.fakify_first_call = True
         try:
             compiled = self.inner(piece, list(args))
-            with self.fake_mode, _allow_non_fake(self.fake_mode):
-                if self.context is not None and _aot_compiles() != aot_before:
+            with self.fake_mode, torch_compat.allow_non_fake_inputs(self.fake_mode):
+                if self.context is not None and torch_compat.aot_compiles() != aot_before:
                     ddp_ctx = self.context.ddp_optimizer_ctx
                     ddp_ctx.curr_bucket += 1
                     ddp_ctx.metadata_per_bucket.append(self.context.fw_metadata)
@@ -375,7 +335,7 @@ class _PieceCompiler(fx.Interpreter):
         return outputs
 
     def _fake(self, value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and not isinstance(value, torch._subclasses.FakeTensor):
+        if isinstance(value, torch.Tensor) and not torch_compat.is_fake(value):
             return self.fake_mode.from_tensor(value)
         return value
 
@@ -389,15 +349,3 @@ class _Piece(nn.Module):
 
     def forward(self, *args: Any) -> Any:
         return self.compiled(*args)
-
-
-def _aot_compiles() -> int:
-    from torch._dynamo.utils import counters
-
-    return counters["aot_autograd"]["total"]
-
-
-def _allow_non_fake(fake_mode: Any) -> Any:
-    from unittest import mock
-
-    return mock.patch.object(fake_mode, "allow_non_fake_inputs", True)

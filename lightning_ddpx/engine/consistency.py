@@ -15,6 +15,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_ddpx._compat.torch import foreach_copy_
+
 __all__ = [
     "ParameterSignature",
     "broadcast_from_rank0",
@@ -136,7 +138,7 @@ def broadcast_from_rank0(tensors: Sequence[torch.Tensor], process_group: dist.Pr
     for group in by_dtype.values():
         flat = torch.cat([t.detach().reshape(-1) for t in group])
         dist.broadcast(flat, group=process_group, group_src=0)
-        torch._foreach_copy_([t.detach() for t in group], list(_split_like(flat, group)))
+        foreach_copy_([t.detach() for t in group], list(_split_like(flat, group)))
 
 
 def _split_like(flat: torch.Tensor, like: Sequence[torch.Tensor]):

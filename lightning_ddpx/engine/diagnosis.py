@@ -26,6 +26,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_ddpx._compat.torch import default_store, process_group_store
 from lightning_ddpx.engine.errors import CommunicationError
 
 __all__ = [
@@ -208,10 +209,10 @@ def peer_report(process_group: dist.ProcessGroup | None) -> str | None:
 def _store_of(process_group: dist.ProcessGroup) -> dist.Store | None:
     """A private client of the group's store with a short timeout: a report must not wait for a dead link."""
     try:
-        store = dist.distributed_c10d._get_process_group_store(process_group)
+        store = process_group_store(process_group)
     except Exception:  # noqa: BLE001 - private API; fall back to the default store
         try:
-            store = dist.distributed_c10d._get_default_store()
+            store = default_store()
         except Exception:  # noqa: BLE001
             return None
     try:

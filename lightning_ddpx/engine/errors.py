@@ -12,8 +12,9 @@ import contextlib
 from datetime import timedelta
 from typing import Iterator
 
-import torch
 import torch.distributed as dist
+
+from lightning_ddpx._compat.torch import group_timeout
 
 __all__ = ["CommunicationError", "waiting_for", "describe_failure"]
 
@@ -26,8 +27,7 @@ def process_group_timeout(process_group: dist.ProcessGroup | None) -> timedelta 
     """The timeout after which a collective on ``process_group`` fails, where torch exposes it."""
     try:
         group = process_group if process_group is not None else dist.group.WORLD
-        backend = group._get_backend(torch.device("cpu"))
-        return backend.options._timeout
+        return group_timeout(group)
     except Exception:  # noqa: BLE001 - best effort: backends differ in what they expose
         return None
 

@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import JoinHook, _JoinConfig
+from torch.distributed.algorithms.join import JoinHook
 
+from lightning_ddpx._compat.torch import JoinConfig
 from lightning_ddpx.engine.errors import waiting_for
 
 if TYPE_CHECKING:
@@ -124,7 +125,7 @@ class DDPXJoinHook(JoinHook):
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank ends with the model of the last rank to join (ties: the highest such rank)."""
         module = self.module
-        module._join_config = _JoinConfig.construct_disabled_join_config()
+        module._join_config = JoinConfig.construct_disabled_join_config()
         module.reducer.set_divisor(module.world_size)
         candidate = torch.tensor([module.rank if is_last_joiner else -1], device=module.device)
         with waiting_for("the last rank to join (end of join())", module.process_group):

@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 from typing import ContextManager
 
-import torch
 from torch.profiler import record_function
+
+from lightning_ddpx._compat.torch import profiler_enabled
 
 __all__ = ["label"]
 
@@ -21,6 +22,6 @@ _NOTHING = contextlib.nullcontext()
 
 def label(name: str) -> ContextManager:
     """``record_function(name)`` while a profiler records, else a shared no-op context."""
-    if torch.autograd._profiler_enabled():
+    if profiler_enabled():
         return record_function(name)
     return _NOTHING

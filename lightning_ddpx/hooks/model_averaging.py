@@ -25,6 +25,7 @@ from typing import Any, Iterable, Mapping, Union
 import torch
 import torch.distributed as dist
 
+from lightning_ddpx._compat.torch import rank_not_in_group
 from lightning_ddpx.engine.errors import waiting_for
 
 __all__ = [
@@ -62,7 +63,7 @@ def average_parameters(params: Iterable[torch.Tensor], group: dist.ProcessGroup 
     nothing. Every rank of ``group`` must pass parameters of the same shapes in the same order.
     """
     group = group if group is not None else dist.group.WORLD
-    if group is None or dist._rank_not_in_group(group):
+    if group is None or rank_not_in_group(group):
         return
     size = dist.get_world_size(group)
     by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}

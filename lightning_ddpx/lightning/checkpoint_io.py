@@ -27,9 +27,9 @@ from typing import Any, BinaryIO, Optional
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
-from lightning.fabric.utilities.types import _PATH
 from typing_extensions import override
+
+from lightning_ddpx.lightning._compat import PATH, is_local_path
 
 __all__ = ["AtomicCheckpointIO", "TEMP_PREFIX", "TEMP_SUFFIX", "atomic_torch_save"]
 
@@ -50,9 +50,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None
+        self, checkpoint: dict[str, Any], path: PATH, storage_options: Optional[Any] = None
     ) -> None:
-        if storage_options is not None or not _is_local_file_protocol(path):
+        if storage_options is not None or not is_local_path(path):
             # Remote URLs: Lightning's fsspec transaction. storage_options: Lightning's error for it.
             super().save_checkpoint(checkpoint, path, storage_options=storage_options)
             return
@@ -115,7 +115,7 @@ def _fsync_directory(directory: str) -> None:
         os.close(fd)
 
 
-def _local_path(path: _PATH) -> str:
+def _local_path(path: PATH) -> str:
     """``file:///x/y.ckpt`` -> ``/x/y.ckpt``; plain paths unchanged."""
     text = os.fspath(path)
     return text[len("file://") :] if text.startswith("file://") else text

@@ -28,9 +28,6 @@ from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
-from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.types import _PATH
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
@@ -40,6 +37,7 @@ from lightning_ddpx.engine.comm_stats import CommStatsSummary
 from lightning_ddpx.engine.module import DistributedDataParallel
 from lightning_ddpx.hooks.model_averaging import ModelAverager
 from lightning_ddpx.lightning import local_replicas, post_local_sgd_setup
+from lightning_ddpx.lightning._compat import PATH, BackwardSyncControl, StrategyRegistry
 from lightning_ddpx.lightning.checkpoint_io import AtomicCheckpointIO
 from lightning_ddpx.lightning.checkpoint_state import CHECKPOINT_KEY
 from lightning_ddpx.lightning.config import DDPXConfigAttributes, register_strategy_names
@@ -190,7 +188,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     @override
     def save_checkpoint(
         self,
-        path: _PATH,
+        path: PATH,
         state: dict[str, Union[nn.Module, Optimizer, Any]],
         storage_options: Optional[Any] = None,
         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
@@ -223,7 +221,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     @override
     def load_checkpoint(
         self,
-        path: _PATH,
+        path: PATH,
         state: Optional[Union[nn.Module, Optimizer, dict[str, Union[nn.Module, Optimizer, Any]]]] = None,
         strict: bool = True,
         weights_only: Optional[bool] = None,
@@ -276,11 +274,11 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     # ------------------------------------------------------------------------------------- registry
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
         register_strategy_names(cls, strategy_registry)
 
 
-class _DDPXBackwardSyncControl(_BackwardSyncControl):
+class _DDPXBackwardSyncControl(BackwardSyncControl):
     """``fabric.no_backward_sync(model)``: our module's ``no_sync()``; wrap the forward too."""
 
     @override

@@ -23,28 +23,25 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_ddpx.engine.compile import apply_lightning_compile
 from lightning_ddpx.engine.consistency import broadcast_from_rank0
 from lightning_ddpx.engine.errors import waiting_for
 from lightning_ddpx.engine.module import DistributedDataParallel
 from lightning_ddpx.hooks.model_averaging import ModelAverager
+from lightning_ddpx.lightning import _compat as lightning_compat
 from lightning_ddpx.lightning import checkpoint_state, local_replicas, post_local_sgd_setup
+from lightning_ddpx.lightning._compat import PATH
 from lightning_ddpx.lightning.checkpoint_io import AtomicCheckpointIO
+from lightning_ddpx.lightning.compile import apply_lightning_compile
 from lightning_ddpx.lightning.config import DDPXConfigAttributes, register_strategy_names
 from lightning_ddpx.lightning.ddp_kwargs import build_ddpx_config
 from lightning_ddpx.lightning.options import takes_ddpx_options
@@ -99,7 +96,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         )
         # Lightning's redirection toggles torch-DDP attributes in manual optimisation; ours needs none of it
         # (see training_step/pre_backward), so use the plain one.
-        self._forward_redirection = _ForwardRedirection()
+        self._forward_redirection = lightning_compat.ForwardRedirection()
         self._hook_state: Any = None  # the state registered with the module (built or given)
         self._hook_registered = False  # a module was set up with the hook: there is state worth saving
         self._final_bucket_layout: Optional[dict[str, Any]] = None  # the last module's, kept at teardown
@@ -121,7 +118,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         ``AsyncCheckpointIO`` without an inner IO gets the atomic one inside."""
         if self._checkpoint_io is None:
             self._checkpoint_io = AtomicCheckpointIO()
-        elif isinstance(self._checkpoint_io, _WrappingCheckpointIO):
+        elif isinstance(self._checkpoint_io, lightning_compat.WrappingCheckpointIO):
             self._checkpoint_io.checkpoint_io = AtomicCheckpointIO()  # fills only an empty inner slot
         return self._checkpoint_io
 
@@ -145,8 +142,9 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting and self._layer_sync:
-            self.model = self._layer_sync.apply(self.model)
+        layer_sync = lightning_compat.layer_sync(self)
+        if fitting and layer_sync:
+            self.model = layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if fitting:
@@ -163,7 +161,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         self._pending_replica = None
         self.setup_precision_plugin()
         if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            lightning_compat.optimizers_to_device(self.optimizers, self.root_device)
             self._enable_model_averaging()
 
     @override
@@ -218,7 +216,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         """Training loaders are iterated in lockstep across ranks (``uneven_inputs``); others untouched."""
         dataloader = super().process_dataloader(dataloader)
         module = self.lightning_module
-        trainer = module._trainer if module is not None else None
+        trainer = lightning_compat.trainer_of(module) if module is not None else None
         if trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         return self.ddpx_config.wrap_training_loader(
@@ -282,7 +280,11 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
 
     def _log_comm_stats(self) -> None:
         model, module = self.model, self.lightning_module
-        if not isinstance(model, DistributedDataParallel) or module is None or module._trainer is None:
+        if (
+            not isinstance(model, DistributedDataParallel)
+            or module is None
+            or lightning_compat.trainer_of(module) is None
+        ):
             return
         synced = model.reducer.iterations_synced
         if synced == 0 or synced % self.comm_stats_every_n_steps:
@@ -290,7 +292,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         summary = model.take_comm_stats()
         if summary is None:  # nothing synchronised since the last log (an accumulation backward after it)
             return
-        trainer = module._trainer
+        trainer = lightning_compat.trainer_of(module)
         for logger in trainer.loggers:  # rank-zero-only loggers write rank 0's figures
             logger.log_metrics(summary.as_metrics(), step=trainer.global_step)
 
@@ -311,7 +313,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     # ----------------------------------------------------------------------------------- checkpoints
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+        self, checkpoint: dict[str, Any], filepath: PATH, storage_options: Optional[Any] = None
     ) -> None:
         """Add every rank's hook state, then let rank 0 write. Lightning calls this on every rank.
 
@@ -333,7 +335,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Load as usual; keep the hook entry until the hook exists (``setup`` runs after loading)."""
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._take_local_replica(checkpoint)
@@ -396,20 +398,17 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             )  # for trainer.save_checkpoint after fit
             _remove_gradient_hooks(self.model)
             self.model = pl_module  # unwrap
-        if (
-            pl_module is not None
-            and pl_module._trainer is not None
-            and pl_module._trainer.state.fn == TrainerFn.FITTING
-            and self._layer_sync
-        ):
-            self.model = self._layer_sync.revert(self.model)
+        trainer = lightning_compat.trainer_of(pl_module) if pl_module is not None else None
+        layer_sync = lightning_compat.layer_sync(self)
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and layer_sync:
+            self.model = layer_sync.revert(self.model)
         # Skip DDPStrategy.teardown, which inspects torch's DDP; the rest of the chain is generic.
         ParallelStrategy.teardown(self)
 
     # ------------------------------------------------------------------------------------- registry
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: lightning_compat.StrategyRegistry) -> None:
         register_strategy_names(cls, strategy_registry)
 
 

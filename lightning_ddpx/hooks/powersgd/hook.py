@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_ddpx._compat.torch import foreach_add_, foreach_copy_, foreach_sub_
 from lightning_ddpx.engine.grad_bucket import payload_bytes, record_bytes_sent
 from lightning_ddpx.engine.profiling import label
 from lightning_ddpx.hooks.default import first_value
@@ -298,11 +299,11 @@ class _TensorwiseRuntime:
         self._bind(buffer)
         epsilon = options.orthogonalization_epsilon
         if self.error is not None:
-            torch._foreach_add_(self.x_members, self.bucket_compressed)
+            foreach_add_(self.x_members, self.bucket_compressed)
         else:
-            torch._foreach_copy_(self.x_members, self.bucket_compressed)
+            foreach_copy_(self.x_members, self.bucket_compressed)
         if self.bucket_uncompressed:
-            torch._foreach_copy_(self.uncompressed_members, self.bucket_uncompressed)
+            foreach_copy_(self.uncompressed_members, self.bucket_uncompressed)
 
         if not (options.warm_start and self.q_ready):
             _draw_q(state, self.q, plan.q_draw_sizes)
@@ -317,7 +318,7 @@ class _TensorwiseRuntime:
         dist.all_reduce(self.round_one, group=group)
         if self.bucket_uncompressed:
             self.uncompressed_packed.div_(self.world_size)
-            torch._foreach_copy_(self.bucket_uncompressed, self.uncompressed_members)
+            foreach_copy_(self.bucket_uncompressed, self.uncompressed_members)
         for p in self.p_groups:
             orthogonalize_(p, epsilon)
         for x, p, q in self.matrices:
@@ -328,7 +329,7 @@ class _TensorwiseRuntime:
         for (_, p, q), target in zip(self.matrices, self.targets):
             reconstruct_(target, p, q)
         if self.error is not None:
-            torch._foreach_sub_(self.x_members, self.bucket_compressed)
+            foreach_sub_(self.x_members, self.bucket_compressed)
 
 
 class _SquareRuntime:

@@ -1,0 +1,146 @@
+"""Private torch names lightning_ddpx uses: why, and since which torch version (our floor is 2.6).
+
+Plain aliases where the name is a callable we call on hot paths (no extra Python frame per call); small
+functions where an attribute chain or a lazy import (``torch._dynamo`` costs a second to import) is involved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import _JoinConfig
+
+__all__ = [
+    "JoinConfig",
+    "aot_compiles",
+    "allow_non_fake_inputs",
+    "ddp_optimizer_context",
+    "default_store",
+    "dynamic_of",
+    "fake_mode_of_current_trace",
+    "foreach_add_",
+    "foreach_copy_",
+    "foreach_sub_",
+    "group_timeout",
+    "innermost_backend",
+    "is_fake",
+    "lookup_backend",
+    "process_group_store",
+    "profiler_enabled",
+    "queue_backward_callback",
+    "rank_not_in_group",
+    "tracing_context",
+]
+
+# --------------------------------------------------------------------------------------------- autograd
+# Run a callback when the current backward pass ends: how a reducer knows every gradient of this backward
+# has been produced (torch's C++ reducer uses the same engine hook; FSDP calls it from Python). torch >= 1.0.
+queue_backward_callback: Callable[[Callable[[], None]], None] = (
+    torch.autograd.Variable._execution_engine.queue_callback
+)
+
+# Whether the autograd profiler is recording: record_function labels cost a few microseconds each, so we
+# only create them while someone is looking. torch >= 1.0.
+profiler_enabled: Callable[[], bool] = torch.autograd._profiler_enabled
+
+# Multi-tensor kernels: one call for a bucket's worth of tensors instead of one per tensor (torch.optim's
+# foreach implementations use them). _foreach_add_/_sub_ torch >= 1.7, _foreach_copy_ torch >= 2.1.
+foreach_copy_: Callable[..., Any] = torch._foreach_copy_
+foreach_add_: Callable[..., Any] = torch._foreach_add_
+foreach_sub_: Callable[..., Any] = torch._foreach_sub_
+
+# ------------------------------------------------------------------------------------------------- c10d
+# torch's Join context manager reads ``module._join_config``; a Joinable built outside torch's DDP must set
+# the disabled config itself, as torch's DDP does. torch >= 1.10.
+JoinConfig = _JoinConfig
+
+# Whether this rank is outside ``group`` (the model averagers skip groups they are not in). torch >= 1.8.
+rank_not_in_group: Callable[[Any], bool] = dist._rank_not_in_group
+
+
+def process_group_store(group: Any) -> Any:
+    """The TCPStore a process group was created with (the hang diagnosis writes progress there). torch >= 2.0."""
+    return dist.distributed_c10d._get_process_group_store(group)
+
+
+def default_store() -> Any:
+    """The default group's store, for groups created before the store was recorded. torch >= 2.0."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def group_timeout(group: Any) -> Any:
+    """The timeout a process group was created with (error messages say how long a peer was waited for):
+    no public getter exists. torch >= 2.0 (``_get_backend``)."""
+    return group._get_backend(torch.device("cpu")).options._timeout
+
+
+# --------------------------------------------------------------------------------------- dynamo (compile)
+def innermost_backend(callback: Any) -> Any:
+    """The user's backend inside dynamo's wrappers of a ``torch.compile`` context. torch >= 2.1."""
+    from torch._dynamo.eval_frame import innermost_backend as innermost
+
+    return innermost(callback)
+
+
+def lookup_backend(name: str) -> Any:
+    """A dynamo backend by name (``torch.compile(backend="inductor")`` resolves names the same way). torch >= 2.0."""
+    from torch._dynamo.backends.registry import lookup_backend as lookup
+
+    return lookup(name)
+
+
+def dynamic_of(dynamo_ctx: Any) -> Any:
+    """The ``dynamic=`` a ``torch.compile`` call was given, read off its context (``None``: not given)."""
+    return getattr(dynamo_ctx, "_dynamic", None)
+
+
+def tracing_context() -> Any:
+    """Dynamo's current TracingContext, or ``None`` outside a trace. torch >= 2.1."""
+    from torch._guards import TracingContext
+
+    return TracingContext.try_get()
+
+
+def fake_mode_of_current_trace() -> Any:
+    """The fake-tensor mode of the current trace, or a new one: pieces of a split graph are compiled with
+    fake inputs, as dynamo compiles a whole graph. torch >= 2.1."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return detect_fake_mode() or FakeTensorMode()
+
+
+def is_fake(value: Any) -> bool:
+    from torch._subclasses import FakeTensor
+
+    return isinstance(value, FakeTensor)
+
+
+def ddp_optimizer_context() -> Any:
+    """torch's protocol for several AOT graphs under one dynamo graph (torch's DDPOptimizer splits graphs
+    the same way): each lazily compiled backward finds its own piece's forward metadata. torch >= 2.1."""
+    from torch._dynamo.backends.distributed import DDPOptimizerContext
+
+    return DDPOptimizerContext()
+
+
+def aot_compiles() -> int:
+    """How many graphs AOTAutograd has compiled so far in this process (dynamo's own counter). torch >= 2.0."""
+    from torch._dynamo.utils import counters
+
+    return counters["aot_autograd"]["total"]
+
+
+@contextlib.contextmanager
+def allow_non_fake_inputs(fake_mode: Any) -> Iterator[None]:
+    """Let ``fake_mode`` accept real tensors (a compiled piece's parameters) while it runs on fakes; restored
+    on exit. The flag is a constructor argument of FakeTensorMode that dynamo's own mode is built without."""
+    previous = fake_mode.allow_non_fake_inputs
+    fake_mode.allow_non_fake_inputs = True
+    try:
+        yield
+    finally:
+        fake_mode.allow_non_fake_inputs = previous
