@@ -28,7 +28,7 @@ from lightning_ddpx.hooks import (
     build_comm_hook,
     fp16_compress_wrapper,
 )
-from lightning_ddpx.lightning import checkpoint_state, post_local_sgd_setup
+from lightning_ddpx.lightning import checkpoint_state, optimizer_overlap_setup, post_local_sgd_setup
 from lightning_ddpx.lightning.uneven import LockstepLoader, StepQueue, UnevenInputs, check_uneven_inputs
 
 __all__ = ["CommHookFn", "DDPXConfig", "DDPXConfigAttributes", "STRATEGY_NAMES", "register_strategy_names"]
@@ -71,6 +71,8 @@ class DDPXConfig:
     gradient_as_bucket_view: bool = False
     # torch's static_graph: record used parameters in the first iteration, no graph walk afterwards.
     static_graph: bool = False
+    # Step the optimizer bucket by bucket inside backward, as each bucket is reduced (optimizer_overlap_setup).
+    overlap_optimizer: bool = False
     # torch's init_sync: check the model across ranks and broadcast rank 0's state at construction.
     init_sync: bool = True
     # Ranks with different numbers of training batches: "join" (replay with zero weight until all are done),
@@ -91,6 +93,9 @@ class DDPXConfig:
             post_local_sgd_setup.resolve_options(
                 comm_hook, self.comm_state, self.post_local_sgd, self.model_averaging_period
             ),
+        )
+        optimizer_overlap_setup.check_option(
+            self.overlap_optimizer, post_local_sgd_setup.is_configured(self.post_local_sgd, self.comm_state)
         )
         object.__setattr__(self, "bucket_cap_mb", float(self.bucket_cap_mb))
         object.__setattr__(self, "first_bucket_cap_mb", float(self.first_bucket_cap_mb))
@@ -225,6 +230,7 @@ class DDPXConfigAttributes:
     broadcast_buffers = _ConfigOption()
     gradient_as_bucket_view = _ConfigOption()
     static_graph = _ConfigOption()
+    overlap_optimizer = _ConfigOption()
     init_sync = _ConfigOption()
     uneven_inputs = _ConfigOption()
     hook_name = _ConfigOption()

@@ -40,7 +40,7 @@ from lightning_ddpx.engine.comm_stats import CommStatsSummary
 from lightning_ddpx.engine.module import DistributedDataParallel
 from lightning_ddpx.hooks import PostLocalSGDOptions, PowerSGDOptions
 from lightning_ddpx.hooks.model_averaging import ModelAverager
-from lightning_ddpx.lightning import local_replicas, post_local_sgd_setup
+from lightning_ddpx.lightning import local_replicas, optimizer_overlap_setup, post_local_sgd_setup
 from lightning_ddpx.lightning.checkpoint_io import AtomicCheckpointIO
 from lightning_ddpx.lightning.checkpoint_state import CHECKPOINT_KEY
 from lightning_ddpx.lightning.config import CommHookFn, DDPXConfigAttributes, register_strategy_names
@@ -70,6 +70,9 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             of each model with a post-local SGD hook are averaged after ``optimizer.step()`` when due.
         bucket_cap_mb, first_bucket_cap_mb, find_unused_parameters, broadcast_buffers,
             gradient_as_bucket_view: passed to :class:`lightning_ddpx.DistributedDataParallel`.
+        overlap_optimizer: step each optimizer given to ``fabric.setup`` inside its model's backward, bucket by
+            bucket; ``optimizer.step()`` after such a backward then does nothing (the loop stays unchanged),
+            and ``fabric.clip_gradients`` is refused (clipping needs every gradient before any update).
         uneven_inputs: ``"join"`` (default), ``"error"`` or ``"off"``, as in the Trainer strategy, for the
             loaders passed to ``fabric.setup_dataloaders`` when iterated with gradients enabled (Fabric cannot
             tell training from evaluation loaders; an evaluation loop under ``torch.no_grad()`` is left alone).
@@ -100,6 +103,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         ddp_comm_hook: Optional[Union[str, CommHookFn]] = None,
         ddp_comm_wrapper: Optional[Union[str, Callable[[CommHookFn], CommHookFn]]] = None,
         static_graph: bool = False,
+        overlap_optimizer: bool = False,
         init_sync: bool = True,
         forward_sync_buffers: Optional[bool] = None,
         skip_all_reduce_unused_params: bool = False,
@@ -127,6 +131,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             forward_sync_buffers=forward_sync_buffers,
             gradient_as_bucket_view=gradient_as_bucket_view,
             static_graph=static_graph,
+            overlap_optimizer=overlap_optimizer,
             init_sync=init_sync,
             skip_all_reduce_unused_params=skip_all_reduce_unused_params,
             batched_grad_copy=batched_grad_copy,
@@ -185,6 +190,27 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         self._modules.add(wrapped)
         return wrapped
 
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """With ``overlap_optimizer``: hand the optimizer to the model (set up before) that owns its parameters."""
+        if self.overlap_optimizer:
+            optimizer_overlap_setup.attach_fabric_optimizer(self._modules, optimizer, self.precision)
+        return super().setup_optimizer(optimizer)
+
+    @override
+    def clip_gradients_norm(
+        self, module: nn.Module, optimizer: Optimizer, *args: Any, **kwargs: Any
+    ) -> Tensor:
+        optimizer_overlap_setup.refuse_clipping(self.overlap_optimizer, "fabric.clip_gradients(max_norm=...)")
+        return super().clip_gradients_norm(module, optimizer, *args, **kwargs)
+
+    @override
+    def clip_gradients_value(
+        self, module: nn.Module, optimizer: Optimizer, clip_val: Union[float, int]
+    ) -> None:
+        optimizer_overlap_setup.refuse_clipping(self.overlap_optimizer, "fabric.clip_gradients(clip_val=...)")
+        return super().clip_gradients_value(module, optimizer, clip_val)
+
     # ---------------------------------------------------------------------------------- uneven inputs
     @override
     def process_dataloader(self, dataloader: DataLoader) -> DataLoader:
@@ -222,7 +248,11 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """Step; then, for post-local SGD, average the parameters of the optimizer that have a gradient."""
+        """Step; then, for post-local SGD, average the parameters of the optimizer that have a gradient.
+
+        With ``overlap_optimizer``, nothing when the last backward already stepped this optimizer."""
+        if self.overlap_optimizer and optimizer_overlap_setup.stepped_in_backward(self._modules, optimizer):
+            return None
         output = super().optimizer_step(optimizer, **kwargs)
         for module, averager in self._averaged:
             if post_local_sgd_setup.owns_params(module, optimizer):

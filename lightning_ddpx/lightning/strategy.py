@@ -44,7 +44,12 @@ from lightning_ddpx.engine.errors import waiting_for
 from lightning_ddpx.engine.module import DistributedDataParallel
 from lightning_ddpx.hooks import PostLocalSGDOptions, PowerSGDOptions
 from lightning_ddpx.hooks.model_averaging import ModelAverager
-from lightning_ddpx.lightning import checkpoint_state, local_replicas, post_local_sgd_setup
+from lightning_ddpx.lightning import (
+    checkpoint_state,
+    local_replicas,
+    optimizer_overlap_setup,
+    post_local_sgd_setup,
+)
 from lightning_ddpx.lightning.checkpoint_io import AtomicCheckpointIO
 from lightning_ddpx.lightning.config import CommHookFn, DDPXConfigAttributes, register_strategy_names
 from lightning_ddpx.lightning.ddp_kwargs import build_ddpx_config
@@ -84,6 +89,10 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             gradient_as_bucket_view: passed to :class:`lightning_ddpx.DistributedDataParallel`.
         static_graph, init_sync, forward_sync_buffers, skip_all_reduce_unused_params, batched_grad_copy:
             torch DDP's arguments, with torch's meaning (see :class:`lightning_ddpx.DistributedDataParallel`).
+        overlap_optimizer: step the configured optimizer inside backward, each bucket's parameters as soon as
+            the bucket is reduced, while later buckets still communicate; ``optimizer_step`` then only runs the
+            closure. One optimizer, automatic optimization, no gradient clipping (refused at setup: clipping
+            needs every gradient first). See ``docs/engine.md`` (optimizer overlap).
         comm_stats_every_n_steps: log communication statistics (bytes to the hook and sent, compression
             ratio, time in hooks, exposed communication; per-step means, rank 0's) to the Trainer's loggers
             under ``ddpx/`` every N synchronised steps. ``None`` (default): nothing is logged.
@@ -126,6 +135,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         ddp_comm_hook: Optional[Union[str, CommHookFn]] = None,
         ddp_comm_wrapper: Optional[Union[str, Callable[[CommHookFn], CommHookFn]]] = None,
         static_graph: bool = False,
+        overlap_optimizer: bool = False,
         init_sync: bool = True,
         forward_sync_buffers: Optional[bool] = None,
         skip_all_reduce_unused_params: bool = False,
@@ -154,6 +164,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             forward_sync_buffers=forward_sync_buffers,
             gradient_as_bucket_view=gradient_as_bucket_view,
             static_graph=static_graph,
+            overlap_optimizer=overlap_optimizer,
             init_sync=init_sync,
             skip_all_reduce_unused_params=skip_all_reduce_unused_params,
             batched_grad_copy=batched_grad_copy,
@@ -225,6 +236,11 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         if fitting:
             self.configure_ddp()
             self.setup_optimizers(trainer)  # after wrapping: the module is on its device
+            if self.overlap_optimizer:
+                assert isinstance(self.model, DistributedDataParallel)
+                optimizer_overlap_setup.attach_trainer_optimizer(
+                    self.model, trainer, self.optimizers, self.precision_plugin
+                )
         else:
             # Evaluation needs no gradient reducer, but every rank must hold rank 0's weights, as in training.
             module = self.model
@@ -255,7 +271,18 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         model: Optional[Union[LightningModule, torch.nn.Module]] = None,
         **kwargs: Any,
     ) -> Any:
-        """Step, then (post-local SGD) average the optimizer's parameters that have a gradient when due."""
+        """Step, then (post-local SGD) average the optimizer's parameters that have a gradient when due.
+
+        With ``overlap_optimizer`` the closure's backward steps the optimizer: run only the closure."""
+        if self.overlap_optimizer:
+            return optimizer_overlap_setup.step_with_closure(
+                self.precision_plugin,
+                self.model,
+                model or self.lightning_module,
+                optimizer,
+                closure,
+                **kwargs,
+            )
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._averager is not None:
             post_local_sgd_setup.average_after_step(self._averager, optimizer)
