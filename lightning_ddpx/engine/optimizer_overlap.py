@@ -152,12 +152,9 @@ class OptimizerOverlap:
         """For each bucket, (group index, the group's parameters in this bucket); cached per bucket plan
         and per parameter lists of the groups (``add_param_group`` changes them)."""
         groups = self.optimizer.param_groups
-        key = (
-            id(self.reducer.buckets),
-            *(id(g["params"]) for g in groups),
-            *(len(g["params"]) for g in groups),
-        )
-        if key != self._plan_key:
+        # the objects themselves, compared by identity: a list freed by a rebuild could lend its id to a new one
+        key = (self.reducer.buckets, *(g["params"] for g in groups), *(len(g["params"]) for g in groups))
+        if not _unchanged(key, self._plan_key):
             bucket_of = {id(p): self.reducer._bucket_of[i] for i, p in enumerate(self.reducer.params)}
             plan: list[list[tuple[int, list[torch.nn.Parameter]]]] = [[] for _ in self.reducer.buckets]
             for g, group in enumerate(groups):
@@ -242,3 +239,12 @@ class OptimizerOverlap:
 def _subset(members: list[tuple[int, list[Any]]], keep: Any) -> list[tuple[int, list[Any]]]:
     kept = [(g, [p for p in params if keep(p)]) for g, params in members]
     return [(g, params) for g, params in kept if params]
+
+
+def _unchanged(key: tuple[Any, ...], cached: tuple[Any, ...] | None) -> bool:
+    """Lists by identity, lengths by value."""
+    return (
+        cached is not None
+        and len(cached) == len(key)
+        and all(a == b if isinstance(a, int) else a is b for a, b in zip(key, cached))
+    )
