@@ -26,6 +26,7 @@ from lightning_ddpx.engine.consistency import (
 )
 from lightning_ddpx.engine.errors import waiting_for
 from lightning_ddpx.engine.join import DDPXJoinHook, announce, broadcast_from
+from lightning_ddpx.engine.optimizer_overlap import OptimizerOverlap
 from lightning_ddpx.engine.profiling import label
 from lightning_ddpx.engine.reducer import CommHook, Phase, Reducer
 
@@ -232,6 +233,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         The wrapped module can then be wrapped again (e.g. a second ``Trainer.fit``) without the old
         reducer still reacting to its gradients.
         """
+        if self.reducer.overlap is not None:
+            self.reducer.overlap.close()
         self.reducer.close()
 
     @contextlib.contextmanager
@@ -329,6 +332,38 @@ class DistributedDataParallel(nn.Module, Joinable):
     @property
     def comm_hook_state(self) -> Any:
         return self.reducer.hook_state if self._hook_registered else None
+
+    # ------------------------------------------------------------------------------ optimizer overlap
+    def overlap_optimizer_with(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Step ``optimizer`` inside each synchronised backward, bucket by bucket, as gradients arrive.
+
+        At the end of backward each bucket's parameters are updated as soon as its averaged gradients are
+        written, while later buckets are still communicating; do not call ``optimizer.step()`` after such a
+        backward (it raises: the update would apply twice). Backwards inside ``no_sync()`` do not step:
+        accumulate, and the synchronised backward steps with the sum. Clip nothing after backward: the
+        update already happened. ``None`` switches back to the plain ``optimizer.step()``. See
+        :mod:`lightning_ddpx.engine.optimizer_overlap` for which optimizers qualify and why.
+        """
+        if self.reducer.phase is Phase.REDUCING:
+            raise RuntimeError(
+                "lightning_ddpx: overlap_optimizer_with was called while a backward is reducing; call it "
+                "between iterations (after optimizer construction, before the next forward)."
+            )
+        if self.reducer.overlap is not None:
+            self.reducer.overlap.close()
+        self.reducer.overlap = None if optimizer is None else OptimizerOverlap(optimizer, self.reducer)
+
+    @property
+    def overlapped_optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer given to :meth:`overlap_optimizer_with`, or ``None``."""
+        overlap = self.reducer.overlap
+        return overlap.optimizer if overlap is not None else None
+
+    @property
+    def optimizer_stepped_in_backward(self) -> bool:
+        """Whether the last synchronised backward stepped the overlapped optimizer (until the next forward)."""
+        overlap = self.reducer.overlap
+        return overlap is not None and overlap.stepped
 
     # ---------------------------------------------------------------------------------- introspection
     def reducer_state_dict(self) -> dict[str, Any]:

@@ -114,6 +114,8 @@ class Reducer:
         self.hook_state: Any = process_group
         self._scale_on_copy: float | None = 1.0 / self.world_size  # only for the default hook
         self._launcher: InlineLauncher | SequencedLauncher = InlineLauncher()
+        # overlap_optimizer_with: writes back and steps bucket by bucket in _finalize (engine.optimizer_overlap)
+        self.overlap: Any = None
 
         self.phase = Phase.IDLE
         self.iterations_synced = 0  # completed synchronised backwards
@@ -499,20 +501,23 @@ class Reducer:
                     for index in missing:  # reachable from outputs but not from the loss
                         self._mark_ready(index, used=False)
                     globally_used = self._launch_used_bitmap() if self.find_unused_parameters else None
-                started = time.perf_counter()
-                results = [self._result_of(b) for b in range(len(self.buckets))]
-                used_counts = None
-                if globally_used is not None:
-                    with waiting_for(
-                        "the used-parameter bitmap (find_unused_parameters)", self.process_group
-                    ):
-                        used_counts = globally_used.wait()[0].tolist()
-                    if self.static is not None:
-                        self.static.record(used_counts)
-                elif self.static is not None:
-                    used_counts = self.static.globally_used
-                self.last_exposed_comm_s = time.perf_counter() - started
-                self._write_back(results, used_counts)
+                if self.overlap is not None:  # each bucket's parameters step as soon as it is written
+                    self.last_exposed_comm_s = self.overlap.write_back_and_step(globally_used)
+                else:
+                    started = time.perf_counter()
+                    results = [self._result_of(b) for b in range(len(self.buckets))]
+                    used_counts = None
+                    if globally_used is not None:
+                        with waiting_for(
+                            "the used-parameter bitmap (find_unused_parameters)", self.process_group
+                        ):
+                            used_counts = globally_used.wait()[0].tolist()
+                        if self.static is not None:
+                            self.static.record(used_counts)
+                    elif self.static is not None:
+                        used_counts = self.static.globally_used
+                    self.last_exposed_comm_s = time.perf_counter() - started
+                    self._write_back(results, used_counts)
                 if self.collect_stats:
                     self._record_step_stats()
                 succeeded = True
@@ -597,8 +602,11 @@ class Reducer:
         return value
 
     @torch.no_grad()
-    def _write_back(self, results: list[torch.Tensor], used_counts: list[int] | None) -> None:
-        for bucket, result in zip(self.buckets, results):
+    def _write_back(
+        self, results: list[torch.Tensor], used_counts: Sequence[int] | None, first: int = 0
+    ) -> None:
+        """``results`` of buckets ``first, first + 1, ...`` into ``param.grad`` (parameters counted 0 skipped)."""
+        for bucket, result in zip(self.buckets[first:], results):
             if result is not bucket.buffer:
                 bucket.buffer.copy_(result)
             grads, views = [], []

@@ -29,7 +29,7 @@ from lightning_ddpx.hooks import (
     fp16_compress_wrapper,
 )
 from lightning_ddpx.hooks.registry import hook_entry, hooks_taking
-from lightning_ddpx.lightning import checkpoint_state, post_local_sgd_setup
+from lightning_ddpx.lightning import checkpoint_state, optimizer_overlap_setup, post_local_sgd_setup
 from lightning_ddpx.lightning.uneven import LockstepLoader, StepQueue, UnevenInputs, check_uneven_inputs
 
 __all__ = ["CommHookFn", "DDPXConfig", "DDPXConfigAttributes", "STRATEGY_NAMES", "register_strategy_names"]
@@ -141,6 +141,16 @@ class DDPXConfig:
         "torch's: the first synchronised iteration records which parameters get gradients (and how often); "
         "afterwards no autograd-graph walk per step. See docs/engine.md (static graph).",
     )
+    overlap_optimizer: bool = _option(
+        False,
+        "step the optimizer bucket by bucket inside backward, as each bucket's reduced gradients arrive, while "
+        "later buckets still communicate (the same parameters as the plain step). torch's per-parameter "
+        "optimizers only; refuses gradient clipping, a GradScaler, manual optimisation and post-local SGD. See "
+        "docs/engine.md (optimizer overlap).",
+        fabric_doc="as in the Trainer strategy, for the optimizer given to ``fabric.setup(model, optimizer)``: "
+        "``optimizer.step()`` after an overlapped backward does nothing (the buckets stepped already); "
+        "``fabric.clip_gradients`` is refused. See docs/engine.md (optimizer overlap).",
+    )
     init_sync: bool = _option(
         True,
         "torch's: check the model across ranks and broadcast rank 0's parameters and buffers at "
@@ -183,6 +193,9 @@ class DDPXConfig:
             post_local_sgd_setup.resolve_options(
                 comm_hook, self.comm_state, self.post_local_sgd, self.model_averaging_period
             ),
+        )
+        optimizer_overlap_setup.check_option(
+            self.overlap_optimizer, post_local_sgd_setup.is_configured(self.post_local_sgd, self.comm_state)
         )
         object.__setattr__(self, "bucket_cap_mb", float(self.bucket_cap_mb))
         object.__setattr__(self, "first_bucket_cap_mb", float(self.first_bucket_cap_mb))

@@ -36,7 +36,7 @@ from typing_extensions import override
 from lightning_ddpx.engine.comm_stats import CommStatsSummary
 from lightning_ddpx.engine.module import DistributedDataParallel
 from lightning_ddpx.hooks.model_averaging import ModelAverager
-from lightning_ddpx.lightning import local_replicas, post_local_sgd_setup
+from lightning_ddpx.lightning import local_replicas, optimizer_overlap_setup, post_local_sgd_setup
 from lightning_ddpx.lightning._compat import PATH, BackwardSyncControl, StrategyRegistry
 from lightning_ddpx.lightning.checkpoint_io import AtomicCheckpointIO
 from lightning_ddpx.lightning.checkpoint_state import CHECKPOINT_KEY
@@ -128,6 +128,27 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         self._modules.add(wrapped)
         return wrapped
 
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """With ``overlap_optimizer``: hand the optimizer to the model (set up before) that owns its parameters."""
+        if self.overlap_optimizer:
+            optimizer_overlap_setup.attach_fabric_optimizer(self._modules, optimizer, self.precision)
+        return super().setup_optimizer(optimizer)
+
+    @override
+    def clip_gradients_norm(
+        self, module: nn.Module, optimizer: Optimizer, *args: Any, **kwargs: Any
+    ) -> Tensor:
+        optimizer_overlap_setup.refuse_clipping(self.overlap_optimizer, "fabric.clip_gradients(max_norm=...)")
+        return super().clip_gradients_norm(module, optimizer, *args, **kwargs)
+
+    @override
+    def clip_gradients_value(
+        self, module: nn.Module, optimizer: Optimizer, clip_val: Union[float, int]
+    ) -> None:
+        optimizer_overlap_setup.refuse_clipping(self.overlap_optimizer, "fabric.clip_gradients(clip_val=...)")
+        return super().clip_gradients_value(module, optimizer, clip_val)
+
     # ---------------------------------------------------------------------------------- uneven inputs
     @override
     def process_dataloader(self, dataloader: DataLoader) -> DataLoader:
@@ -165,7 +186,11 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """Step; then, for post-local SGD, average the parameters of the optimizer that have a gradient."""
+        """Step; then, for post-local SGD, average the parameters of the optimizer that have a gradient.
+
+        With ``overlap_optimizer``, nothing when the last backward already stepped this optimizer."""
+        if self.overlap_optimizer and optimizer_overlap_setup.stepped_in_backward(self._modules, optimizer):
+            return None
         output = super().optimizer_step(optimizer, **kwargs)
         for module, averager in self._averaged:
             if post_local_sgd_setup.owns_params(module, optimizer):

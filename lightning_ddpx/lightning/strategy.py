@@ -38,7 +38,12 @@ from lightning_ddpx.engine.errors import waiting_for
 from lightning_ddpx.engine.module import DistributedDataParallel
 from lightning_ddpx.hooks.model_averaging import ModelAverager
 from lightning_ddpx.lightning import _compat as lightning_compat
-from lightning_ddpx.lightning import checkpoint_state, local_replicas, post_local_sgd_setup
+from lightning_ddpx.lightning import (
+    checkpoint_state,
+    local_replicas,
+    optimizer_overlap_setup,
+    post_local_sgd_setup,
+)
 from lightning_ddpx.lightning._compat import PATH
 from lightning_ddpx.lightning.checkpoint_io import AtomicCheckpointIO
 from lightning_ddpx.lightning.compile import apply_lightning_compile
@@ -150,6 +155,11 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         if fitting:
             self.configure_ddp()
             self.setup_optimizers(trainer)  # after wrapping: the module is on its device
+            if self.overlap_optimizer:
+                assert isinstance(self.model, DistributedDataParallel)
+                optimizer_overlap_setup.attach_trainer_optimizer(
+                    self.model, trainer, self.optimizers, self.precision_plugin
+                )
         else:
             # Evaluation needs no gradient reducer, but every rank must hold rank 0's weights, as in training.
             module = self.model
@@ -180,7 +190,18 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         model: Optional[Union[LightningModule, torch.nn.Module]] = None,
         **kwargs: Any,
     ) -> Any:
-        """Step, then (post-local SGD) average the optimizer's parameters that have a gradient when due."""
+        """Step, then (post-local SGD) average the optimizer's parameters that have a gradient when due.
+
+        With ``overlap_optimizer`` the closure's backward steps the optimizer: run only the closure."""
+        if self.overlap_optimizer:
+            return optimizer_overlap_setup.step_with_closure(
+                self.precision_plugin,
+                self.model,
+                model or self.lightning_module,
+                optimizer,
+                closure,
+                **kwargs,
+            )
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._averager is not None:
             post_local_sgd_setup.average_after_step(self._averager, optimizer)

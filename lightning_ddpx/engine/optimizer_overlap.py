@@ -1,0 +1,250 @@
+"""The optimizer step overlapped with communication: each bucket's parameters step as soon as it is reduced.
+
+Without overlap, the end of backward waits for every bucket, writes every averaged gradient, and only then
+does ``optimizer.step()`` update all parameters. With :meth:`DistributedDataParallel.overlap_optimizer_with
+<lightning_ddpx.engine.module.DistributedDataParallel.overlap_optimizer_with>`, the end of backward walks the
+buckets in launch order: wait for bucket ``b``, write its gradients into ``param.grad``, step the optimizer for
+its parameters -- while buckets ``b+1 ...`` are still being reduced on the communication threads. The update
+of the early buckets then hides behind the communication of the late ones (the last bucket's update stays
+exposed).
+
+Why a *view* of the user's optimizer rather than a second optimizer (torch's private
+``_register_fused_optim`` builds a functional copy with its own state):
+
+- the view has the user's class, so it runs exactly the same update code (``foreach``/``fused`` choices
+  included); an update of parameter ``p`` reads only ``p``, ``p.grad``, ``state[p]`` and its group's
+  options for the optimizers accepted here, so stepping the parameters in bucket-sized groups gives the
+  parameters the plain step gives;
+- it shares the user's ``state`` dict (read anew at every step, as ``load_state_dict`` replaces it), so
+  ``optimizer.state_dict()``, checkpoints and resume work unchanged;
+- its ``param_groups`` are built at every step from the user's live groups, filtered to the bucket's
+  parameters, so a learning-rate scheduler's change of ``lr`` applies at the next step.
+
+What cannot work this way is refused by :func:`check_overlappable` with the reason: optimizers whose update
+of one parameter depends on other parameters' gradients (LBFGS, anything with a closure or a global norm),
+and step hooks (they expect one ``step()`` over all parameters). Gradient clipping needs every gradient
+before any update: it is the caller's to refuse (the Lightning strategies do).
+
+Parameters unused on every rank (``find_unused_parameters``) are known only when the used-parameter bitmap
+arrives, after the last bucket: a bucket's parameters that were used on this rank step at once (they are
+used somewhere, so their averaged gradient is written), the others wait for the bitmap, then get the plain
+treatment (gradient written only if some rank used the parameter; a ``None`` gradient is skipped by the
+optimizer, as in the plain step). So find_unused_parameters reduces the overlap only for parameters this
+rank did not use.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from lightning_ddpx.engine.errors import waiting_for
+from lightning_ddpx.engine.profiling import label
+
+if TYPE_CHECKING:
+    from lightning_ddpx.engine.reducer import Reducer
+
+__all__ = ["OptimizerOverlap", "check_overlappable", "per_parameter_optimizers"]
+
+
+def per_parameter_optimizers() -> tuple[type[torch.optim.Optimizer], ...]:
+    """torch's optimizers whose update of a parameter depends on that parameter's gradient and state only."""
+    names = ("SGD", "Adam", "AdamW", "Adamax", "Adadelta", "Adagrad", "Adafactor", "ASGD", "NAdam",
+             "RAdam", "RMSprop", "Rprop")  # fmt: skip
+    return tuple(getattr(torch.optim, name) for name in names if hasattr(torch.optim, name))
+
+
+def _accepted_base(cls: type) -> type | None:
+    """The accepted torch class ``cls`` derives from without overriding ``step`` on the way, else ``None``."""
+    accepted = per_parameter_optimizers()
+    for klass in cls.__mro__:
+        if klass in accepted:
+            return klass
+        if "step" in vars(klass):
+            return None
+    return None
+
+
+def check_overlappable(optimizer: Any, params: Sequence[torch.nn.Parameter], names: Sequence[str]) -> None:
+    """Refuse, naming the optimizer and why, what cannot be stepped bucket by bucket (module's ``params``)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            "lightning_ddpx: overlap_optimizer_with needs a torch.optim.Optimizer, got "
+            f"{type(optimizer).__name__}. Pass the optimizer that steps this module's parameters."
+        )
+    cls = type(optimizer)
+    if _accepted_base(cls) is None:
+        why = (
+            "it needs a closure that re-evaluates the loss and sees all gradients at once"
+            if isinstance(optimizer, torch.optim.LBFGS)
+            else "it is not one of torch's per-parameter optimizers, or overrides step(), so an update of one "
+            "parameter may depend on other parameters' gradients (a global norm, a trust ratio, a closure)"
+        )
+        accepted = ", ".join(klass.__name__ for klass in per_parameter_optimizers())
+        raise TypeError(
+            f"lightning_ddpx: overlap_optimizer cannot step {cls.__module__}.{cls.__qualname__} bucket by "
+            f"bucket: {why}. Supported: {accepted} (and subclasses that do not override step()). Use the plain "
+            "optimizer.step() after backward for this optimizer (overlap_optimizer=False)."
+        )
+    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+        raise ValueError(
+            f"lightning_ddpx: overlap_optimizer cannot step {cls.__name__} bucket by bucket while it has step "
+            "pre/post hooks (register_step_pre_hook / register_step_post_hook): they expect one step() over "
+            "all parameters. Remove the hooks, or keep the plain optimizer.step() (overlap_optimizer=False)."
+        )
+    ours = {id(p) for p in params}
+    foreign = [
+        i
+        for g, group in enumerate(optimizer.param_groups)
+        for i, p in enumerate(group["params"])
+        if p.requires_grad and id(p) not in ours
+    ]
+    if foreign:
+        raise ValueError(
+            f"lightning_ddpx: the optimizer given to overlap_optimizer_with holds {len(foreign)} trainable "
+            "parameter(s) that this DistributedDataParallel does not reduce, so no bucket would ever step "
+            f"them (this module's parameters start with {list(names[:3])}). Give the overlap an optimizer of "
+            "this module's parameters only, or keep the plain optimizer.step()."
+        )
+
+
+class OptimizerOverlap:
+    """Writes back and steps bucket by bucket at the end of a synchronised backward (installed on a reducer).
+
+    Phases per synchronised backward: the reducer launches buckets during backward as usual; at its end,
+    :meth:`write_back_and_step` waits for each bucket in launch order, writes its gradients and steps the
+    view for its parameters. Between that backward and the next forward, :attr:`stepped` is true and the
+    user's ``optimizer.step()`` raises (it would apply the update twice).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, reducer: Reducer) -> None:
+        check_overlappable(optimizer, reducer.params, reducer.names)
+        self.optimizer = optimizer
+        self.reducer = reducer
+        self.last_optimizer_s = 0.0  # time spent in bucket steps in the last synchronised backward
+        self._plan_key: tuple[Any, ...] | None = None
+        self._bucket_groups: list[list[tuple[int, list[torch.nn.Parameter]]]] = []
+        self._guard = optimizer.register_step_pre_hook(self._refuse_second_step)
+
+    def close(self) -> None:
+        """Stop guarding the optimizer's own ``step()`` (the overlap was removed or replaced)."""
+        self._guard.remove()
+
+    @property
+    def stepped(self) -> bool:
+        """Whether the last synchronised backward stepped the optimizer and no forward ran since."""
+        return self.reducer._synced_since_forward
+
+    def _refuse_second_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.stepped:
+            raise RuntimeError(
+                f"lightning_ddpx: {type(optimizer).__name__}.step() was called after a synchronised backward "
+                "that already stepped it bucket by bucket (overlap_optimizer_with): a second step would apply "
+                "the update twice. Remove the optimizer.step() call after backward (the Lightning strategies "
+                "do this for you), or call model.overlap_optimizer_with(None) to step yourself."
+            )
+
+    # ------------------------------------------------------------------------------------ the plan
+    def _groups_per_bucket(self) -> list[list[tuple[int, list[torch.nn.Parameter]]]]:
+        """For each bucket, (group index, the group's parameters in this bucket); cached per bucket plan
+        and per parameter lists of the groups (``add_param_group`` changes them)."""
+        groups = self.optimizer.param_groups
+        # the objects themselves, compared by identity: a list freed by a rebuild could lend its id to a new one
+        key = (self.reducer.buckets, *(g["params"] for g in groups), *(len(g["params"]) for g in groups))
+        if not _unchanged(key, self._plan_key):
+            bucket_of = {id(p): self.reducer._bucket_of[i] for i, p in enumerate(self.reducer.params)}
+            plan: list[list[tuple[int, list[torch.nn.Parameter]]]] = [[] for _ in self.reducer.buckets]
+            for g, group in enumerate(groups):
+                per_bucket: dict[int, list[torch.nn.Parameter]] = {}
+                for p in group["params"]:
+                    b = bucket_of.get(id(p))
+                    if b is not None:
+                        per_bucket.setdefault(b, []).append(p)
+                for b, params in per_bucket.items():
+                    plan[b].append((g, params))
+            self._bucket_groups, self._plan_key = plan, key
+        return self._bucket_groups
+
+    def _view(self) -> torch.optim.Optimizer:
+        """An optimizer of the user's class sharing its state and options, without hooks or step wrappers."""
+        main = self.optimizer
+        view = object.__new__(type(main))
+        view.__dict__.update(main.__dict__)  # state (shared), defaults, flags the class's step reads
+        view.__dict__.pop("step", None)  # an LR scheduler's wrapper of the user's bound step
+        view._optimizer_step_pre_hooks = OrderedDict()
+        view._optimizer_step_post_hooks = OrderedDict()
+        return view
+
+    # --------------------------------------------------------------------------------- per bucket
+    def write_back_and_step(self, globally_used: torch.futures.Future | None) -> float:
+        """The end of a synchronised backward with overlap; returns the seconds spent waiting for results.
+
+        ``globally_used``: the used-parameter bitmap's future when this iteration shares one (find_unused /
+        static graph's first iteration), else ``None``.
+        """
+        reducer = self.reducer
+        plan, view, groups = self._groups_per_bucket(), self._view(), self.optimizer.param_groups
+        known_counts = reducer.static.globally_used if reducer.static is not None else None
+        if globally_used is not None:
+            known_counts = None
+        locally_used, index_of = reducer._locally_used, reducer._index_of
+        waited = stepping = 0.0
+        deferred: list[tuple[int, torch.Tensor]] = []
+        for b in range(len(reducer.buckets)):
+            started = time.perf_counter()
+            result = reducer._result_of(b)
+            waited += time.perf_counter() - started
+            if globally_used is None:
+                reducer._write_back([result], known_counts, first=b)
+                members = plan[b]
+            else:  # only this rank's used parameters are known to be used somewhere
+                reducer._write_back([result], locally_used, first=b)
+                members = _subset(plan[b], lambda p: locally_used[index_of[id(p)]])
+                deferred.append((b, result))
+            stepping += self._step(view, groups, members)
+        if globally_used is not None:
+            started = time.perf_counter()
+            with waiting_for("the used-parameter bitmap (find_unused_parameters)", reducer.process_group):
+                counts = globally_used.wait()[0].tolist()
+            waited += time.perf_counter() - started
+            if reducer.static is not None:
+                reducer.static.record(counts)
+            rest = [0 if locally_used[i] else count for i, count in enumerate(counts)]
+            for b, result in deferred:
+                reducer._write_back([result], rest, first=b)
+                stepping += self._step(
+                    view, groups, _subset(plan[b], lambda p: not locally_used[index_of[id(p)]])
+                )
+        self.last_optimizer_s = stepping
+        if hasattr(self.optimizer.step, "_wrapped_by_lr_sched"):
+            self.optimizer._opt_called = True  # type: ignore[attr-defined]  # an LR scheduler's "step ran" mark
+        return waited
+
+    @staticmethod
+    def _step(
+        view: torch.optim.Optimizer, groups: list[dict[str, Any]], members: list[tuple[int, list[Any]]]
+    ) -> float:
+        if not members:
+            return 0.0
+        started = time.perf_counter()
+        view.param_groups = [{**groups[g], "params": params} for g, params in members]
+        with label("lightning_ddpx::overlap_optimizer_step"):
+            view.step()
+        return time.perf_counter() - started
+
+
+def _subset(members: list[tuple[int, list[Any]]], keep: Any) -> list[tuple[int, list[Any]]]:
+    kept = [(g, [p for p in params if keep(p)]) for g, params in members]
+    return [(g, params) for g, params in kept if params]
+
+
+def _unchanged(key: tuple[Any, ...], cached: tuple[Any, ...] | None) -> bool:
+    """Lists by identity, lengths by value."""
+    return (
+        cached is not None
+        and len(cached) == len(key)
+        and all(a == b if isinstance(a, int) else a is b for a, b in zip(key, cached))
+    )
