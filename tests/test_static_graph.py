@@ -177,7 +177,7 @@ def run_all(rank: int, world_size: int) -> dict:
             rank, SharedCheckpointedNonReentrant, static, {"find_unused_parameters": True}, accumulate=2
         ),
     }
-    # Without static_graph: the reduction starts in the outermost backward (lightning_ddpx/backward_start.py).
+    # Without static_graph: the reduction starts in the outermost backward (lightning_ddpx/engine/backward_start.py).
     scenarios["dynamic_checkpoint_reentrant"] = lambda: scenario(rank, CheckpointedOnce, {}, {})
     scenarios["dynamic_inplace_output"] = lambda: train_side_by_side(
         rank,

@@ -15,11 +15,9 @@
 
 from __future__ import annotations
 
-import atexit
 import os
 import threading
 import time
-import weakref
 from datetime import timedelta
 from typing import Sequence
 
@@ -28,6 +26,7 @@ import torch.distributed as dist
 
 from lightning_ddpx._compat.torch import default_store, process_group_store
 from lightning_ddpx.engine.errors import CommunicationError
+from lightning_ddpx.engine.exit_threads import stop_at_exit
 
 __all__ = [
     "DEBUG_ENV",
@@ -35,7 +34,6 @@ __all__ = [
     "CollectiveMismatchError",
     "ProgressBoard",
     "check_same_sequence",
-    "close_all_boards",
     "debug_enabled",
     "peer_report",
 ]
@@ -46,8 +44,6 @@ _STORE_TIMEOUT_S = 1.0  # longest a store operation of the diagnosis may block
 _FINAL_GRACE_S = 1.0  # how long a failing rank waits for the other ranks' final records
 _KEY = "lightning_ddpx/progress/{rank}"
 _BOARDS: dict[int, ProgressBoard] = {}  # id(process group) -> the board of the latest module on it
-_WRITING: "weakref.WeakSet[ProgressBoard]" = weakref.WeakSet()  # boards whose writer thread was started
-_exit_handler_registered = False
 
 
 def debug_enabled() -> bool:
@@ -93,16 +89,19 @@ class ProgressBoard:
                     target=self._serve, name="lightning_ddpx-progress", daemon=True
                 )
                 self._writer.start()
-                _track_writer(self)
+                stop_at_exit(self, "lightning_ddpx-progress", 2 * _STORE_TIMEOUT_S)  # a write is bounded
             self._wake.set()
 
-    def close(self, timeout: float | None = None) -> None:
-        """Stop the writer thread (the module is closed); with ``timeout``, wait that long for it to end."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop the writer thread (the module is closed); with ``timeout``, wait that long for it to end.
+        Returns whether it has ended (always ``True`` without ``timeout``, which does not wait)."""
         self._closed = True
         self._wake.set()
         writer = self._writer
-        if timeout is not None and writer is not None and writer is not threading.current_thread():
-            writer.join(timeout)
+        if timeout is None or writer is None or writer is threading.current_thread():
+            return timeout is None or writer is None
+        writer.join(timeout)
+        return not writer.is_alive()
 
     def _serve(self) -> None:
         while True:
@@ -180,23 +179,6 @@ def _describe_record(rank: int, record: str | None) -> str:
         f"rank {rank}: {what} (recorded {age:.1f} s ago and not failed since: it may be dead, stuck outside "
         "lightning_ddpx's collectives (data loading, a collective of its own), or slow)"
     )
-
-
-def close_all_boards(timeout: float = 2 * _STORE_TIMEOUT_S) -> None:
-    """Stop every writer thread and wait for each up to ``timeout`` s (a store write is bounded by
-    ``_STORE_TIMEOUT_S``). Run at interpreter exit: a daemon thread still inside a store write (C++, the GIL
-    released) when Python finalises aborts the process on return ("terminate called without an active
-    exception"), as lightning_ddpx/process_exit.py explains for gloo's threads."""
-    for board in list(_WRITING):
-        board.close(timeout)
-
-
-def _track_writer(board: ProgressBoard) -> None:
-    global _exit_handler_registered
-    _WRITING.add(board)
-    if not _exit_handler_registered:
-        atexit.register(close_all_boards)
-        _exit_handler_registered = True
 
 
 def peer_report(process_group: dist.ProcessGroup | None) -> str | None:

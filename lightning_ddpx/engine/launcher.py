@@ -9,7 +9,6 @@ Two ways, chosen per hook (see :mod:`lightning_ddpx.engine.grad_bucket` for the 
 
 from __future__ import annotations
 
-import atexit
 import queue
 import threading
 import weakref
@@ -17,15 +16,14 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["InlineLauncher", "SequencedLauncher", "Task", "close_all_launchers"]
+from lightning_ddpx.engine.exit_threads import stop_at_exit
+
+__all__ = ["InlineLauncher", "SequencedLauncher", "Task"]
 
 Task = Callable[[], torch.futures.Future]
 
 # Seconds to wait for a communication thread to finish the tasks it holds when it is closed at exit.
 EXIT_JOIN_TIMEOUT_S = 10.0
-
-_live: "weakref.WeakSet[SequencedLauncher]" = weakref.WeakSet()  # launchers whose thread was started
-_exit_handler_registered = False
 
 
 class InlineLauncher:
@@ -55,7 +53,7 @@ class SequencedLauncher:
         if self._thread is None:
             self._thread = threading.Thread(target=_serve, args=(self._queue,), name=self._name, daemon=True)
             self._thread.start()
-            _track(self)
+            stop_at_exit(self, self._name, EXIT_JOIN_TIMEOUT_S)
         done: torch.futures.Future = torch.futures.Future()
         self._queue.put((task, done))
         return done
@@ -71,28 +69,6 @@ class SequencedLauncher:
             return timeout is None or thread is None
         thread.join(timeout)
         return not thread.is_alive()
-
-
-def close_all_launchers(timeout: float = EXIT_JOIN_TIMEOUT_S) -> list[str]:
-    """Close every started communication thread and wait up to ``timeout`` s for each; names those still alive.
-
-    Run at interpreter exit: a daemon thread still inside a C++ wait (a collective's future) when Python
-    finalises is killed while re-taking the GIL, which aborts the process ("terminate called without an
-    active exception") instead of letting it exit with its status.
-    """
-    stuck = []
-    for launcher in list(_live):
-        if not launcher.close(timeout):
-            stuck.append(launcher._name)
-    return stuck
-
-
-def _track(launcher: SequencedLauncher) -> None:
-    global _exit_handler_registered
-    _live.add(launcher)
-    if not _exit_handler_registered:
-        atexit.register(close_all_launchers)
-        _exit_handler_registered = True
 
 
 def _serve(tasks: "queue.SimpleQueue[tuple[Task, torch.futures.Future] | None]") -> None:

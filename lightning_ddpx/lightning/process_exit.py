@@ -12,10 +12,8 @@ at exit (see tests/test_process_exit.py). torch leaves this to the user (pytorch
 Lightning destroys the group at exit for NCCL only.
 
 The strategies call :func:`destroy_process_group_at_exit` once their group exists. The handler first stops
-our own threads -- the communication thread (:func:`lightning_ddpx.engine.launcher.close_all_launchers`) and the
-progress writer (:func:`lightning_ddpx.engine.diagnosis.close_all_boards`), which can be inside a store write, a
-C++ call, at exit -- then destroys the group
-on a helper thread and waits at most :data:`DESTROY_TIMEOUT_S`: destroying waits for pending
+our own threads (:func:`lightning_ddpx.engine.exit_threads.stop_all`: the communication thread and the
+progress writer, which can be inside a C++ call at exit), then destroys the group on a helper thread and waits at most :data:`DESTROY_TIMEOUT_S`: destroying waits for pending
 collectives, which after a failure may wait on a peer that is gone, and an exit must never hang.
 """
 
@@ -27,8 +25,7 @@ import threading
 
 import torch.distributed as dist
 
-from lightning_ddpx.engine.diagnosis import close_all_boards
-from lightning_ddpx.engine.launcher import close_all_launchers
+from lightning_ddpx.engine.exit_threads import stop_all
 
 __all__ = ["DESTROY_TIMEOUT_S", "destroy_process_group_at_exit"]
 
@@ -50,10 +47,9 @@ def destroy_process_group_at_exit() -> None:
 
 
 def _exit_cleanly() -> None:
-    stuck = close_all_launchers()
+    stuck = stop_all()
     if stuck:
-        log.warning(f"lightning_ddpx: communication thread(s) {stuck} still busy at exit")
-    close_all_boards()  # the progress writer may be inside a store write
+        log.warning(f"lightning_ddpx: thread(s) {stuck} still busy at exit")
     if not (dist.is_available() and dist.is_initialized()):
         return  # the user (or Lightning, for NCCL) destroyed it already
     destroyer = threading.Thread(target=_destroy_quietly, name="lightning_ddpx-exit", daemon=True)
