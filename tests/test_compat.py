@@ -75,6 +75,8 @@ def test_lightning_names_work() -> None:
     assert lightning_compat.compiler_context(module) is None
     assert lightning_compat.layer_sync(DDPXStrategy()) is None
     assert lightning_compat.is_local_path("/tmp/x.ckpt") and not lightning_compat.is_local_path("s3://b/x")
+    assert lightning_compat.weights_only_argument(None) == {}
+    assert lightning_compat.weights_only_argument(True) == {"weights_only": True}
 
 
 def _private_uses(tree: ast.AST) -> list[str]:

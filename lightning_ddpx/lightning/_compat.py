@@ -27,6 +27,7 @@ __all__ = [
     "layer_sync",
     "optimizers_to_device",
     "trainer_of",
+    "weights_only_argument",
 ]
 
 # The registries' type, for registering our names with both the Trainer's and Fabric's registries. >= 2.0.
@@ -66,3 +67,10 @@ def compiler_context(module: Any) -> Any:
     """What ``Trainer.fit(torch.compile(module))`` recorded on the module: the dynamo context and the
     original ``training_step`` (``None`` if it was not compiled). >= 2.1."""
     return getattr(module, "_compiler_ctx", None)
+
+
+def weights_only_argument(weights_only: Optional[bool]) -> dict[str, Optional[bool]]:
+    """The ``weights_only`` keyword for the base strategies' ``load_checkpoint``: Lightning 2.6 added it, and
+    2.5's does not take it (nor does its Trainer or Fabric pass it). Given only when set, so both work; unset
+    means Lightning's default either way. Public API, but version-dependent: kept here with the others."""
+    return {} if weights_only is None else {"weights_only": weights_only}

@@ -37,7 +37,12 @@ from lightning_ddpx.engine.comm_stats import CommStatsSummary
 from lightning_ddpx.engine.module import DistributedDataParallel
 from lightning_ddpx.hooks.model_averaging import ModelAverager
 from lightning_ddpx.lightning import local_replicas, optimizer_overlap_setup, post_local_sgd_setup
-from lightning_ddpx.lightning._compat import PATH, BackwardSyncControl, StrategyRegistry
+from lightning_ddpx.lightning._compat import (
+    PATH,
+    BackwardSyncControl,
+    StrategyRegistry,
+    weights_only_argument,
+)
 from lightning_ddpx.lightning.checkpoint_io import AtomicCheckpointIO
 from lightning_ddpx.lightning.checkpoint_state import CHECKPOINT_KEY
 from lightning_ddpx.lightning.config import DDPXConfigAttributes, register_strategy_names
@@ -256,7 +261,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         A model whose entry is missing (a checkpoint of another strategy) or does not fit (another hook,
         another world size) resumes with fresh hook state and a warning, as in the Trainer strategy.
         """
-        remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        remainder = super().load_checkpoint(path, state, strict=strict, **weights_only_argument(weights_only))
         modules = _our_modules(state) if isinstance(state, Mapping) else {}
         if not modules:
             return remainder

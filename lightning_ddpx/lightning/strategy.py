@@ -358,7 +358,9 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Load as usual; keep the hook entry until the hook exists (``setup`` runs after loading)."""
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        checkpoint = super().load_checkpoint(
+            checkpoint_path, **lightning_compat.weights_only_argument(weights_only)
+        )
         self._take_local_replica(checkpoint)
         self._pending_hook_entry = (checkpoint.get(checkpoint_state.CHECKPOINT_KEY),)
         if isinstance(self.model, DistributedDataParallel):  # already set up: apply now
