@@ -12,7 +12,8 @@ processes and timed interleaved in short blocks (see ``benchmarks.common.interle
 - ``torch-powersgd-r1``: torch's DDP + torch's ``powerSGD_hook``, rank 1, ``start_powerSGD_iter=2``, with
   ``bucket_cap_mb`` large enough for ONE bucket (torch's PowerSGD aborts with a collective mismatch on gloo
   CPU when there are several buckets);
-- ours (``lightning_ddpx.DistributedDataParallel`` + ``lightning_ddpx.hooks.build_comm_hook(name, ...)``):
+- ours (``lightning_ddpx.DistributedDataParallel`` + ``lightning_ddpx.hooks.build_comm_hook(name, ...)``;
+  ``ours-allreduce`` registers the ``allreduce`` hook, unlike the CLI's ``allreduce``, which registers none):
   ``ours-allreduce``, ``ours-fp16``, ``ours-bf16`` (default bucket layout, as torch's allreduce and fp16);
   ``ours-powersgd-r1``, ``ours-powersgd-r4``, ``ours-batched-r1`` (PowerSGD, ``start_powerSGD_iter=2``, in the
   same single-bucket layout as torch's PowerSGD so that the comparison is like for like); ``ours-noop`` (no
@@ -28,6 +29,9 @@ The warm-up always goes past ``start_powerSGD_iter``, so every timed PowerSGD st
 
 Each ratio is the median over same-round step pairs of candidate/baseline (``common.summarize_pair``).
 Targets apply to the real models only (not to ``tiny``, which only exercises the script).
+
+The contenders are ``lightning_ddpx.bench.contenders.Contender`` entries wrapped by its ``wrap``, as in
+``python -m lightning_ddpx.bench``; this table adds torch's hooks and the single-bucket layout.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
     MODELS,
+    TARGET_RATIOS,
     build_model,
     environment_info,
     format_table,
@@ -60,40 +65,25 @@ from benchmarks.common import (  # noqa: E402
     summarize_pair,
     verdict,
 )
+from lightning_ddpx.bench.contenders import START_POWERSGD_ITER, Contender, wrap  # noqa: E402
 
 DEFAULT_MODELS = ("mlp", "transformer")
-START_POWERSGD_ITER = 2
 # Large enough that every benchmark model's gradients fit in one bucket (the MLP's are ~80 MiB).
 SINGLE_BUCKET_MB = 1024.0
 BASELINE = "torch-allreduce"
 
-
-@dataclass(frozen=True)
-class Contender:
-    """One timed configuration: which DDP, which hook, which bucket layout."""
-
-    name: str
-    engine: str  # "torch" or "ours"
-    hook: str  # torch: "none", "fp16", "powersgd"; ours: a build_comm_hook name
-    rank: int | None = None  # PowerSGD matrix_approximation_rank
-    single_bucket: bool = False  # bucket_cap_mb (and ours' first_bucket_cap_mb) = SINGLE_BUCKET_MB
-
-    @property
-    def powersgd(self) -> bool:
-        return self.rank is not None
-
-
+# Torch's contenders take torch's hooks; the PowerSGD ones (both sides) one bucket for the whole model.
 CONTENDERS: tuple[Contender, ...] = (
-    Contender("torch-allreduce", "torch", "none"),
-    Contender("torch-fp16", "torch", "fp16"),
-    Contender("torch-powersgd-r1", "torch", "powersgd", rank=1, single_bucket=True),
-    Contender("ours-allreduce", "ours", "allreduce"),
-    Contender("ours-fp16", "ours", "fp16"),
-    Contender("ours-bf16", "ours", "bf16"),
-    Contender("ours-powersgd-r1", "ours", "powersgd", rank=1, single_bucket=True),
-    Contender("ours-powersgd-r4", "ours", "powersgd", rank=4, single_bucket=True),
-    Contender("ours-batched-r1", "ours", "batched_powersgd", rank=1, single_bucket=True),
-    Contender("ours-noop", "ours", "noop"),
+    Contender("torch-allreduce", None, torch_ddp=True),
+    Contender("torch-fp16", "fp16", torch_ddp=True),
+    Contender("torch-powersgd-r1", "powersgd", 1, torch_ddp=True, bucket_cap_mb=SINGLE_BUCKET_MB),
+    Contender("ours-allreduce", "allreduce"),
+    Contender("ours-fp16", "fp16"),
+    Contender("ours-bf16", "bf16"),
+    Contender("ours-powersgd-r1", "powersgd", 1, bucket_cap_mb=SINGLE_BUCKET_MB),
+    Contender("ours-powersgd-r4", "powersgd", 4, bucket_cap_mb=SINGLE_BUCKET_MB),
+    Contender("ours-batched-r1", "batched_powersgd", 1, bucket_cap_mb=SINGLE_BUCKET_MB),
+    Contender("ours-noop", "noop"),
 )
 
 # (candidate, baseline, target): the comparisons the hooks are judged by.
@@ -125,48 +115,6 @@ class RunConfig:
     verbose: bool
 
 
-def _wrap(contender: Contender, module: torch.nn.Module) -> tuple[torch.nn.Module, Any]:
-    """``(wrapped module, hook state or None)`` for one contender."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
-    from lightning_ddpx import DistributedDataParallel as OursDDP
-    from lightning_ddpx.hooks import build_comm_hook
-
-    if contender.engine == "torch":
-        if contender.single_bucket:
-            # An explicit bucket_cap_mb also sets torch's first bucket to that size: one bucket from the start.
-            ddp = TorchDDP(module, bucket_cap_mb=SINGLE_BUCKET_MB)
-        else:
-            ddp = TorchDDP(module)
-        if contender.hook == "none":
-            return ddp, None
-        if contender.hook == "fp16":
-            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-            return ddp, None
-        if contender.hook == "powersgd":
-            state = powerSGD_hook.PowerSGDState(
-                process_group=None,
-                matrix_approximation_rank=contender.rank,
-                start_powerSGD_iter=START_POWERSGD_ITER,
-            )
-            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-            return ddp, state
-        raise ValueError(f"unknown torch hook {contender.hook!r}")
-    if contender.single_bucket:
-        ddp = OursDDP(module, bucket_cap_mb=SINGLE_BUCKET_MB, first_bucket_cap_mb=SINGLE_BUCKET_MB)
-    else:
-        ddp = OursDDP(module)
-    options = (
-        {"matrix_approximation_rank": contender.rank, "start_powerSGD_iter": START_POWERSGD_ITER}
-        if contender.powersgd
-        else None
-    )
-    state, hook = build_comm_hook(contender.hook, powersgd=options)
-    ddp.register_comm_hook(state, hook)
-    return ddp, state
-
-
 def _torch_bucket_count(ddp: torch.nn.Module) -> int | None:
     """Buckets torch's DDP uses now (from its logging data; None if this torch does not report them)."""
     try:
@@ -185,7 +133,8 @@ def run_rank(rank: int, world_size: int, config: RunConfig) -> dict[str, Any]:
     wrapped: dict[str, torch.nn.Module] = {}
     states: dict[str, Any] = {}
     for contender in CONTENDERS:  # same order on both ranks: the constructors broadcast parameters
-        wrapped[contender.name], states[contender.name] = _wrap(contender, modules[contender.name])
+        # bucket_cap_mb=None: the constructors' default layout, unless the contender fixes one
+        wrapped[contender.name], states[contender.name] = wrap(contender, modules[contender.name], None)
     batch = make_batch(config.model, rank, config.seed)
     steps = {
         name: make_train_step(ddp, torch.optim.SGD(ddp.parameters(), lr=config.lr), batch)
@@ -195,7 +144,7 @@ def run_rank(rank: int, world_size: int, config: RunConfig) -> dict[str, Any]:
     exposed_comm_s: dict[str, list[float]] = {}
     after_step = {}
     for contender in CONTENDERS:
-        if contender.engine != "ours":
+        if not contender.ours:
             continue
         reducer = getattr(wrapped[contender.name], "reducer", None)
         samples = exposed_comm_s[contender.name] = []
@@ -224,7 +173,7 @@ def run_rank(rank: int, world_size: int, config: RunConfig) -> dict[str, Any]:
     # gives the iteration of the first timed step.
     powersgd: dict[str, dict[str, Any]] = {}
     for contender in CONTENDERS:
-        if not contender.powersgd:
+        if contender.rank is None:
             continue
         state = states[contender.name]
         first_timed_iter = int(state.iter) - config.steps
@@ -234,7 +183,7 @@ def run_rank(rank: int, world_size: int, config: RunConfig) -> dict[str, Any]:
                 f"start_powerSGD_iter={START_POWERSGD_ITER}: uncompressed steps were timed (raise --warmup)"
             )
         info: dict[str, Any] = {"iterations": int(state.iter), "first_timed_iter": first_timed_iter}
-        if contender.engine == "ours":
+        if contender.ours:
             stats = state.compression_stats()
             info["compression_rate"] = stats.compression_rate
             info["per_step_numel_before"] = sum(b for b, _ in stats.per_bucket.values())
@@ -246,9 +195,7 @@ def run_rank(rank: int, world_size: int, config: RunConfig) -> dict[str, Any]:
     buckets: dict[str, int | None] = {}
     for contender in CONTENDERS:
         ddp = wrapped[contender.name]
-        buckets[contender.name] = (
-            len(ddp.bucket_plan()) if contender.engine == "ours" else _torch_bucket_count(ddp)
-        )
+        buckets[contender.name] = len(ddp.bucket_plan()) if contender.ours else _torch_bucket_count(ddp)
     tensors, numel = parameter_summary(modules[BASELINE])
     result = {
         "rank": rank,
@@ -263,7 +210,7 @@ def run_rank(rank: int, world_size: int, config: RunConfig) -> dict[str, Any]:
         "powersgd": powersgd,
     }
     for contender in CONTENDERS:
-        if contender.engine == "ours":
+        if contender.ours:
             wrapped[contender.name].close()  # stop the communication threads before the group goes away
     return result
 
@@ -311,7 +258,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         diffs = {
             key: max(r["param_max_abs_diff"][key] for r in per_rank) for key in rank0["param_max_abs_diff"]
         }
-        targets_apply = spec.target_ratio is not None  # None: the smoke-test model, no target
+        targets_apply = name in TARGET_RATIOS  # not on the smoke-test model
 
         contenders: dict[str, Any] = {}
         rows = []

@@ -9,8 +9,6 @@ in one process share that group, which keeps the suite fast.
 
 from __future__ import annotations
 
-import os
-import warnings
 from typing import Any, Callable
 
 import torch
@@ -20,18 +18,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ddpx import collectives_issued_on_call
+from tests.dist_utils import quiet  # noqa: F401 - the rank functions of the strategy tests import it from here
 
 NUM_SAMPLES = 64
 BATCH_SIZE = 4  # per rank: 8 batches per rank and epoch on 2 ranks
-
-
-def quiet() -> None:
-    """Hide Lightning's advice that does not apply to tiny CPU tests (few workers, small logs, ...)."""
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    warnings.filterwarnings("ignore", message=".*log_every_n_steps.*")
-    warnings.filterwarnings("ignore", message=".*GPU available but not used.*")
-    warnings.filterwarnings("ignore", message=".*`isinstance\\(treespec, LeafSpec\\)` is deprecated.*")
-    os.environ.setdefault("PYTHONWARNINGS", "ignore")
 
 
 def dataset() -> TensorDataset:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -13,8 +12,7 @@ from torch import nn
 
 from lightning_ddpx.bench.contenders import contenders_named
 from lightning_ddpx.bench.report import Row, recommend
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.dist_utils import run_job
 
 
 def factory() -> tuple[nn.Module, torch.Tensor]:
@@ -33,8 +31,7 @@ def test_bench_runs_end_to_end_and_writes_json_and_chart(tmp_path: os.PathLike) 
         "--steps", "2", "--warmup", "3", "--block", "1",
         "--hooks", "torch-ddp,allreduce,fp16,powersgd-r1,noop", "--json", json_path, "--png", png_path,
     ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
+    done = run_job(command, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "round 2/2" in done.stdout  # progress is shown while it runs
     assert "Recommended:" in done.stdout
@@ -55,16 +52,12 @@ def test_bench_runs_end_to_end_and_writes_json_and_chart(tmp_path: os.PathLike) 
 
 
 def test_bad_arguments_fail_before_any_process_starts() -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     for extra, expected in (
         (["--model", "no_such_module:build"], "cannot import it"),
         (["--model", "tiny", "--hooks", "allreduce,fastest"], "unknown contender(s) ['fastest']"),
         (["--model", "tiny", "--warmup", "1"], "--warmup must be > 2"),
     ):
-        done = subprocess.run(
-            [sys.executable, "-m", "lightning_ddpx.bench", *extra],
-            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+        done = run_job([sys.executable, "-m", "lightning_ddpx.bench", *extra], timeout=60)
         assert done.returncode != 0 and expected in done.stderr, (extra, done.stderr)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from typing import Any
 
@@ -26,9 +25,8 @@ from lightning_ddpx.bench.convergence import (
 from lightning_ddpx.bench.convergence_cli import DEFAULT_CONTENDERS, load_accuracy_verdicts
 from lightning_ddpx.bench.report import recommend
 from lightning_ddpx.bench.tasks import DigitsCNN, DigitsUpscaled, PydocText, pydoc_tokens
+from tests.dist_utils import run_job
 from tests.test_bench_cli import _row
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def curve(step_s: float, metrics: list[float], every: int = 10, sent: float = 100.0) -> dict[str, Any]:
@@ -165,20 +163,15 @@ class TinyData(LightningDataModule):
         return DataLoader(self.data, batch_size=64)
 
 
-def _run(command: list[str]) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO_ROOT)
-    return subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
-
-
 @pytest.mark.slow
 def test_convergence_mode_trains_a_users_module_per_contender(tmp_path: Any) -> None:
     json_path, png_path = os.path.join(tmp_path, "c.json"), os.path.join(tmp_path, "c.png")
-    done = _run([
+    done = run_job([
         sys.executable, "-m", "lightning_ddpx.bench", "--convergence",
         "--model", "tests.test_bench_convergence:TinyModule", "--datamodule", "tests.test_bench_convergence:TinyData",
         "--hooks", "powersgd-r1", "--max-steps", "4", "--val-every", "2",
         "--json", json_path, "--png", png_path,
-    ])  # fmt: skip
+    ], timeout=240)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     with open(json_path) as f:
         result = json.load(f)
@@ -195,10 +188,10 @@ def test_convergence_mode_trains_a_users_module_per_contender(tmp_path: Any) -> 
 
 @pytest.mark.slow
 def test_bench_convergence_quick_run_writes_table_and_plot(tmp_path: Any) -> None:
-    done = _run([
+    done = run_job([
         sys.executable, "benchmarks/bench_convergence.py", "--quick", "--tasks", "digits",
         "--hooks", "allreduce", "--out", str(tmp_path),
-    ])  # fmt: skip
+    ], timeout=240)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     with open(os.path.join(tmp_path, "digits_loopback.json")) as f:
         saved = json.load(f)

@@ -22,8 +22,14 @@ from benchmarks.common import (
     summarize_pair,
     verdict,
 )
+from tests.dist_utils import run_job
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+def run_benchmark(script: str, *arguments: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python benchmarks/<script> <arguments>``; it must succeed."""
+    completed = run_job([sys.executable, os.path.join("benchmarks", script), *arguments], timeout=timeout)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    return completed
 
 
 def test_percentile_interpolates_like_numpy() -> None:
@@ -81,19 +87,10 @@ def test_models_have_the_documented_shape() -> None:
 @pytest.mark.slow
 def test_engine_benchmark_runs_end_to_end(tmp_path) -> None:
     out = tmp_path / "bench.json"
-    command = [
-        sys.executable, os.path.join("benchmarks", "bench_engine.py"),
+    completed = run_benchmark(
+        "bench_engine.py",
         "--models", "tiny", "--steps", "2", "--warmup", "2", "--block", "1", "--quiet", "--json", str(out),
-    ]  # fmt: skip
-    completed = subprocess.run(
-        command,
-        cwd=REPO_ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    )  # fmt: skip
     assert "ratio" in completed.stdout and "tiny" in completed.stdout
     tiny = json.loads(out.read_text())["models"]["tiny"]
     assert len(tiny["torch_ms"]) == len(tiny["ours_ms"]) == 2
@@ -104,16 +101,7 @@ def test_engine_benchmark_runs_end_to_end(tmp_path) -> None:
 @pytest.mark.slow
 def test_hooks_benchmark_runs_end_to_end(tmp_path) -> None:
     out = tmp_path / "hooks.json"
-    command = [sys.executable, os.path.join("benchmarks", "bench_hooks.py"), "--quick", "--json", str(out)]
-    completed = subprocess.run(
-        command,
-        cwd=REPO_ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    completed = run_benchmark("bench_hooks.py", "--quick", "--json", str(out))
     assert "ours-powersgd-r1 / torch-powersgd-r1" in completed.stdout
     tiny = json.loads(out.read_text())["models"]["tiny"]
     contenders = tiny["contenders"]
@@ -131,15 +119,19 @@ def test_hooks_benchmark_runs_end_to_end(tmp_path) -> None:
 @pytest.mark.slow
 def test_stats_benchmark_runs_end_to_end(tmp_path) -> None:
     out = tmp_path / "stats.json"
-    command = [
-        sys.executable, os.path.join("benchmarks", "bench_stats.py"),
-        "--models", "tiny", "--steps", "2", "--warmup", "2", "--block", "1", "--json", str(out),
-    ]  # fmt: skip
-    completed = subprocess.run(
-        command, cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-        timeout=120,
-    )  # fmt: skip
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    run_benchmark(
+        "bench_stats.py",
+        "--models",
+        "tiny",
+        "--steps",
+        "2",
+        "--warmup",
+        "2",
+        "--block",
+        "1",
+        "--json",
+        str(out),
+    )
     tiny = json.loads(out.read_text())["models"]["tiny"]
     assert len(tiny["times_s"]["stats-on"]) == len(tiny["times_s"]["stats-off"]) == 2
     assert tiny["stats_on_last_step"]["bytes_sent"] == tiny["stats_on_last_step"]["bytes_to_hook"] > 0
@@ -148,16 +140,11 @@ def test_stats_benchmark_runs_end_to_end(tmp_path) -> None:
 @pytest.mark.slow
 def test_compile_benchmark_runs_end_to_end(tmp_path) -> None:
     out = tmp_path / "compile.json"
-    command = [
-        sys.executable, os.path.join("benchmarks", "bench_compile.py"), "--models", "tiny",
+    run_benchmark(
+        "bench_compile.py", "--models", "tiny",
         "--backend", "aot_eager", "--steps", "2", "--warmup", "3", "--block", "1", "--bucket-cap-mb", "0.0002",
-        "--quiet", "--json", str(out),
-    ]  # fmt: skip
-    completed = subprocess.run(
-        command, cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-        timeout=240,
+        "--quiet", "--json", str(out), timeout=240,
     )  # fmt: skip
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     tiny = json.loads(out.read_text())["models"]["tiny"]
     assert all(len(tiny["step_ms"][c]) == 2 for c in ("eager", "whole", "split"))
     assert tiny["split_vs_whole"]["ratio"] > 0

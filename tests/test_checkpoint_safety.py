@@ -35,11 +35,10 @@ from lightning_ddpx.lightning.checkpoint_io import (
     AtomicCheckpointIO,
     atomic_torch_save,
 )
-from tests.dist_utils import run_distributed
+from tests.dist_utils import REPO_ROOT, job_env, run_distributed, run_job
 from tests.kill_during_save import NUMEL
 from tests.strategy_helpers import fit, quiet
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOOK_PATH = f"{__name__}.stateful_mean_hook"  # tests.test_checkpoint_safety.stateful_mean_hook
 
 
@@ -55,13 +54,8 @@ def assert_old(path: str) -> None:
 
 def kill_during_save(mode: str, target: str, env: dict[str, str] | None = None) -> None:
     """Run tests/kill_during_save.py; it must die of SIGKILL (not finish, not fail otherwise)."""
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.kill_during_save", mode, target],
-        cwd=REPO_ROOT,
-        env={**os.environ, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=120,
+    result = run_job(
+        [sys.executable, "-m", "tests.kill_during_save", mode, target], 120, job_env(**(env or {}))
     )
     assert result.returncode == -signal.SIGKILL, (result.returncode, result.stdout, result.stderr[-3000:])
 

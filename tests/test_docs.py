@@ -3,23 +3,17 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tests.dist_utils import run_job
 
 
 def test_mkdocs_builds_strictly(tmp_path):
     pytest.importorskip("mkdocs", reason="mkdocs is in the dev extra: pip install -e '.[dev]'")
-    done = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    done = run_job(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")], 120
     )
     assert done.returncode == 0, done.stdout + done.stderr
     for page in ("strategy", "checkpointing", "hooks"):

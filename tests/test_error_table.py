@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import os
 import re
 import warnings
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from lightning_ddpx.hooks import (
     powersgd_hook,
 )
 from lightning_ddpx.lightning.config import DDPXConfig
-from tests.dist_utils import run_distributed
+from tests.dist_utils import one_rank_group, run_distributed
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DDP = lightning_ddpx.DistributedDataParallel
@@ -80,17 +79,6 @@ def completed(value: Any) -> torch.futures.Future:
     future: torch.futures.Future = torch.futures.Future()
     future.set_result(value)
     return future
-
-
-@contextlib.contextmanager
-def one_rank_group() -> Iterator[None]:
-    """A gloo group of world size 1 in this process (about 20 ms), destroyed afterwards."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def outcome(trigger: Callable[..., Any], *args: Any) -> dict[str, Any]:

@@ -3,17 +3,17 @@ strategy names whichever is imported first, and every module path from before th
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 import lightning_ddpx
+from tests.dist_utils import run_job
 
 
 def _python(code: str) -> str:
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = run_job([sys.executable, "-c", code], timeout=120)
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
 

@@ -3,11 +3,9 @@ schedules against torch's (on a one-rank gloo group), and state dicts that load 
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import warnings
-from typing import Iterator
 
 import pytest
 import torch
@@ -27,17 +25,7 @@ from lightning_ddpx.hooks.model_averaging import (
 )
 from lightning_ddpx.lightning.local_replicas import replica_for_rank
 from lightning_ddpx.lightning.post_local_sgd_setup import check_optimizers
-from tests.dist_utils import run_distributed
-
-
-@contextlib.contextmanager
-def one_rank_group() -> Iterator[None]:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+from tests.dist_utils import one_rank_group, run_distributed
 
 
 # ------------------------------------------------------------------------------------------ options

@@ -10,50 +10,32 @@ codes are seen), running tests/exit_job.py.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from lightning_ddpx.bench.launch import free_port
+from tests.dist_utils import free_port, job_env, run_jobs
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB_TIMEOUT_S = 180
 ABORT_MARKER = "terminate called"
 
 
 def run_job(mode: str, hook: str, root: str, world_size: int = 2) -> list[tuple[int, str]]:
     """Start every rank of ``tests.exit_job`` and return each one's (return code, stderr)."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    env.update(
-        OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, env.get("PYTHONPATH")]))
-    )
     command = [sys.executable, "-m", "tests.exit_job", mode, hook, root]
-    ranks = range(world_size) if mode != "spawn" else [None]
-    processes = []
-    for rank in ranks:
-        rank_env = dict(env)
-        if rank is not None:
-            rank_env.update(
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK="0",
-                LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-            )  # fmt: skip
-        processes.append(
-            subprocess.Popen(command, cwd=REPO_ROOT, env=rank_env, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True)
-        )  # fmt: skip
-    outcomes = []
-    for process in processes:
-        try:
-            _, stderr = process.communicate(timeout=JOB_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            for other in processes:
-                other.kill()
-            pytest.fail(f"exit_job {mode} {hook}: still running after {JOB_TIMEOUT_S} s")
-        outcomes.append((process.returncode, stderr))
-    return outcomes
+    if mode == "spawn":  # one process; Lightning starts the other rank
+        envs = [job_env()]
+    else:
+        port = str(free_port())
+        envs = [
+            job_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK="0", LOCAL_RANK=str(rank),
+                    WORLD_SIZE=str(world_size))
+            for rank in range(world_size)
+        ]  # fmt: skip
+    return [
+        (done.returncode, done.stderr) for done in run_jobs([(command, env) for env in envs], JOB_TIMEOUT_S)
+    ]
 
 
 def assert_clean(outcomes: list[tuple[int, str]], expected_rc: int = 0, what: str = "") -> None:

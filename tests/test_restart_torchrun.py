@@ -23,10 +23,10 @@ import pytest
 import torch
 
 from lightning_ddpx.lightning.checkpoint_io import TEMP_PREFIX
+from tests.dist_utils import REPO_ROOT, job_env, run_job
 
 pytestmark = pytest.mark.slow
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EPOCH_STEPS = 8  # 64 samples / 2 ranks / batch 4
 EPOCHS = 4
 KILL_EPOCH = 2
@@ -50,13 +50,8 @@ def torchrun(workdir: str, kill_epoch: int) -> subprocess.CompletedProcess:
         "--kill-epoch",
         str(kill_epoch),
     ]
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-        "PYTHONWARNINGS": "ignore",
-    }
-    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    env = job_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONWARNINGS="ignore")
+    result = run_job(command, timeout=300, env=env)
     assert result.returncode == 0, (
         f"torchrun failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
     )

@@ -3,15 +3,14 @@ every shipped config parses into the strategy it describes."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tests.dist_utils import REPO_ROOT, job_env, run_job
+
 SCRIPT = REPO_ROOT / "examples" / "cli_train.py"
 CONFIGS = sorted((REPO_ROOT / "examples" / "configs").glob("*.yaml"))
 SHORT = ["--trainer.max_steps=6", "--trainer.limit_val_batches=1", "--trainer.enable_model_summary=false"]
@@ -19,12 +18,8 @@ SHORT = ["--trainer.max_steps=6", "--trainer.limit_val_batches=1", "--trainer.en
 
 def run_cli(arguments: list[str], root: Path) -> Path:
     """Run ``cli_train.py fit`` (Lightning starts the second process) and return its checkpoint."""
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")
-    }
-    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     command = [sys.executable, str(SCRIPT), "fit", *arguments, *SHORT, f"--trainer.default_root_dir={root}"]
-    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
+    done = run_job(command, timeout=240, env=job_env(PYTHONWARNINGS="ignore"))
     assert done.returncode == 0, f"{' '.join(command)}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
     (checkpoint,) = root.glob("lightning_logs/version_0/checkpoints/*.ckpt")
     return checkpoint
@@ -115,24 +110,13 @@ def test_every_shipped_config_builds_its_strategy(config, cli_train, monkeypatch
 
 @pytest.mark.slow
 def test_lightning_demo_trains_checkpoints_and_resumes(tmp_path):
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")
-    }
-    env.update(OMP_NUM_THREADS="1")
     command = [
         sys.executable,
         str(REPO_ROOT / "examples" / "lightning_demo.py"),
         "--epochs=1",
         "--resume-epochs=1",
     ]
-    done = subprocess.run(
-        [*command, f"--workdir={tmp_path}"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    done = run_job([*command, f"--workdir={tmp_path}"], timeout=240, cwd=tmp_path)
     assert done.returncode == 0, f"--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
     assert "per rank 1: error feedback of" in done.stdout
     assert "hook state restored at PowerSGD step 22" in done.stdout

@@ -4,10 +4,8 @@
 from __future__ import annotations
 
 import inspect
-import subprocess
 import sys
 import typing
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +14,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning_ddpx import DDPXStrategy, checkpoint_state
 from lightning_ddpx.hooks import PowerSGDOptions
 from lightning_ddpx.lightning.checkpoint_state import Restore, check_plain, select_for_rank
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tests.dist_utils import run_job
 
 
 # ------------------------------------------------------------------------------------------ arguments
@@ -132,9 +129,9 @@ def test_import_lightning_ddpx_registers_the_names():
         "print(sorted(n for n in StrategyRegistry if n.startswith('ddpx')))\n"
         "print(lightning_ddpx.DDPXStrategy.__module__)\n"
     )
-    output = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=True
-    ).stdout.splitlines()
+    done = run_job([sys.executable, "-c", code], timeout=120)
+    assert done.returncode == 0, done.stderr
+    output = done.stdout.splitlines()
     names = ["ddpx", "ddpx_find_unused_parameters_true", "ddpx_fp16", "ddpx_powersgd", "ddpx_spawn"]
     assert output == [repr(names), "lightning_ddpx.lightning.strategy"]
 

@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--link",
         metavar="RATE",
-        help="emulate two nodes joined by a link of RATE (e.g. 1gbit, 10gbit); root only",
+        help="emulate two nodes joined by a link of RATE (e.g. 1gbit, 10gbit; unlimited: no shaping); root only",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole run")

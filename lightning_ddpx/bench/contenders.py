@@ -3,6 +3,10 @@
 A contender is one way to run data parallelism: torch's DDP (the reference) or our module with one
 communication hook. Accuracy cost is not measured by a timing benchmark, so each contender carries what is
 known about it, and the recommendation only picks among those whose cost is known to be small.
+
+:data:`CONTENDERS` is what ``python -m lightning_ddpx.bench`` offers; the developer benchmarks in
+``benchmarks/`` build their own tables from the same :class:`Contender` and :func:`wrap` (torch's DDP with
+torch's own hooks, one bucket for the whole model), so both measure a contender the same way.
 """
 
 from __future__ import annotations
@@ -24,11 +28,12 @@ class Contender:
     """One timed configuration."""
 
     name: str
-    hook: str | None  # a lightning_ddpx hook name; None: our default reduction (no hook registered)
+    hook: str | None  # a lightning_ddpx hook name (torch_ddp: "fp16" | "powersgd", torch's); None: no hook
     rank: int | None = None  # PowerSGD matrix_approximation_rank
     accuracy_cost: str = "none"  # "none" | "small" | "validate" | "not for training"
     accuracy_note: str = ""
     torch_ddp: bool = False  # torch's own DistributedDataParallel, the reference
+    bucket_cap_mb: float | None = None  # a fixed bucket size, the first bucket's too; None: the run's
 
     @property
     def ours(self) -> bool:
@@ -85,26 +90,58 @@ def contenders_named(names: list[str] | None) -> tuple[Contender, ...]:
     return tuple(c for c in CONTENDERS if c.name in names)
 
 
-def wrap(contender: Contender, module: nn.Module, bucket_cap_mb: float) -> tuple[nn.Module, Any]:
-    """``(data-parallel module, hook state)`` for one contender; collective: every rank calls it in order."""
+def wrap(contender: Contender, module: nn.Module, bucket_cap_mb: float | None) -> tuple[nn.Module, Any]:
+    """``(data-parallel module, hook state)`` for one contender; collective: every rank calls it in order.
+
+    ``bucket_cap_mb`` applies unless the contender fixes its own; ``None``: the constructor's default layout.
+    """
+    buckets: dict[str, float] = {}
+    if contender.bucket_cap_mb is not None:
+        # torch: an explicit bucket_cap_mb also sizes the first bucket; ours needs it said.
+        buckets = {"bucket_cap_mb": contender.bucket_cap_mb}
+        if not contender.torch_ddp:
+            buckets["first_bucket_cap_mb"] = contender.bucket_cap_mb
+    elif bucket_cap_mb is not None:
+        buckets = {"bucket_cap_mb": bucket_cap_mb}
     if contender.torch_ddp:
         from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-        return TorchDDP(module, bucket_cap_mb=bucket_cap_mb), None
+        ddp = TorchDDP(module, **buckets)
+        return ddp, _register_torch_hook(contender, ddp)
     from lightning_ddpx import DistributedDataParallel
     from lightning_ddpx.hooks import build_comm_hook
 
-    ddp = DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb)
+    ddp = DistributedDataParallel(module, **buckets)
     if contender.hook is None:
         return ddp, None
-    options = (
-        {"matrix_approximation_rank": contender.rank, "start_powerSGD_iter": START_POWERSGD_ITER}
-        if contender.rank is not None
-        else None
-    )
-    state, hook = build_comm_hook(contender.hook, powersgd=options)
+    state, hook = build_comm_hook(contender.hook, powersgd=_powersgd_options(contender))
     ddp.register_comm_hook(state, hook)
     return ddp, state
+
+
+def _powersgd_options(contender: Contender) -> dict[str, int] | None:
+    if contender.rank is None:
+        return None
+    return {"matrix_approximation_rank": contender.rank, "start_powerSGD_iter": START_POWERSGD_ITER}
+
+
+def _register_torch_hook(contender: Contender, ddp: nn.Module) -> Any:
+    """Register torch's own ``fp16_compress_hook`` or ``powerSGD_hook`` on torch's DDP; the hook state."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if contender.hook is None:
+        return None
+    if contender.hook == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return None
+    if contender.hook == "powersgd" and contender.rank is not None:
+        state = powerSGD_hook.PowerSGDState(process_group=None, **_powersgd_options(contender))
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return state
+    raise ValueError(
+        f"contender {contender.name!r}: torch's DDP takes hook='fp16' or hook='powersgd' with a rank, got "
+        f"hook={contender.hook!r}, rank={contender.rank!r}; use one of those or torch_ddp=False for ours"
+    )
 
 
 def gradient_bytes(module: nn.Module) -> int:

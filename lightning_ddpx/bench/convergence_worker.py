@@ -20,6 +20,7 @@ import torch
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer, seed_everything
 
 from lightning_ddpx.bench.convergence import convergence_contenders_named
+from lightning_ddpx.bench.launch import write_result
 
 __all__ = ["CurveRecorder", "load_task"]
 
@@ -174,10 +175,7 @@ def main(argv: list[str]) -> None:
 
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     result = run(rank, config)
-    out = os.path.join(os.path.dirname(config_path), f"rank{rank}.json")
-    with open(out + ".tmp", "w") as f:
-        json.dump(result, f)
-    os.replace(out + ".tmp", out)
+    write_result(config_path, rank, result)
 
 
 if __name__ == "__main__":

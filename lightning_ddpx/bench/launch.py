@@ -2,7 +2,12 @@
 
 Over loopback, communication runs at memory speed, which hides what compression buys on a real network.
 With ``link="1gbit"`` (2 ranks) each rank runs in its own Linux network namespace, joined by a veth pair
-shaped with ``tc`` (:mod:`lightning_ddpx.bench.netns`), so the two "nodes" talk over a link of known bandwidth.
+shaped with ``tc`` (:mod:`lightning_ddpx.bench.netns`), so the two "nodes" talk over a link of known bandwidth
+(``link="unlimited"``: the namespaces without shaping).
+
+A worker is a module run as ``python -m worker CONFIG RANK``: it reads the JSON ``CONFIG``, finds
+``MASTER_ADDR``/``MASTER_PORT``/``WORLD_SIZE``/``RANK`` in its environment, and hands its result back with
+:func:`write_result`.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import tempfile
 import time
 from typing import Any, Iterator
 
-__all__ = ["free_port", "run_ranks"]
+__all__ = ["free_port", "run_ranks", "write_result"]
 
 
 def run_ranks(
@@ -56,7 +61,7 @@ def _network(link: str | None, world_size: int) -> Iterator[Any]:
     reason = netns_unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"--link {link}: network namespaces are not available here ({reason})")
-    with VethLink(rate=link) as veth:
+    with VethLink(rate=None if link == "unlimited" else link) as veth:
         yield veth
 
 
@@ -111,6 +116,14 @@ def _failure(rank: int, code: int | None, directory: str) -> str:
     with open(os.path.join(directory, f"rank{rank}.err")) as f:
         tail = f.read()[-4000:]
     return f"benchmark rank {rank} exited with code {code}:\n{tail}"
+
+
+def write_result(config_path: str, rank: int, result: Any) -> None:
+    """A worker's JSON-able ``result``, where :func:`run_ranks` reads it (written atomically)."""
+    out = os.path.join(os.path.dirname(config_path), f"rank{rank}.json")
+    with open(out + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(out + ".tmp", out)
 
 
 def free_port() -> int:

@@ -2,7 +2,7 @@
 
 ``mlp`` is bandwidth-bound (few, large gradients), ``transformer`` a realistic mix, ``many`` per-parameter
 overhead (300 small tensors), ``tiny`` only exercises code paths. ``python -m lightning_ddpx.bench --model
-mlp`` uses them by name; the scripts in ``benchmarks/`` use the same definitions.
+mlp`` uses them by name; the scripts in ``benchmarks/`` use the same definitions (and keep their own targets).
 """
 
 from __future__ import annotations
@@ -75,17 +75,13 @@ class Tiny(nn.Module):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """One benchmark model: how to build it, what one rank's batch looks like, and the ratio target.
-
-    ``target_ratio`` is the largest acceptable step-time ratio ours/torch (None: no target, e.g. tiny).
-    """
+    """One benchmark model: how to build it and what one rank's batch (and the model's output) looks like."""
 
     name: str
     description: str
     build: Callable[[], nn.Module]
     input_shape: tuple[int, ...]
     target_shape: tuple[int, ...]
-    target_ratio: float | None
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -97,7 +93,6 @@ MODELS: dict[str, ModelSpec] = {
             MLP,
             (32, 2048),
             (32, 2048),
-            1.00,
         ),
         ModelSpec(
             "transformer",
@@ -105,7 +100,6 @@ MODELS: dict[str, ModelSpec] = {
             Encoder,
             (8, 128, 256),
             (8, 128, 256),
-            1.00,
         ),
         ModelSpec(
             "many",
@@ -113,9 +107,8 @@ MODELS: dict[str, ModelSpec] = {
             ManySmall,
             (32, 116),
             (32, 116),
-            1.05,
         ),
-        ModelSpec("tiny", "Linear(8, 16) + Linear(16, 4), smoke tests only", Tiny, (4, 8), (4, 4), None),
+        ModelSpec("tiny", "Linear(8, 16) + Linear(16, 4), smoke tests only", Tiny, (4, 8), (4, 4)),
     )
 }
 

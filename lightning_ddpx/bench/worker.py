@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import sys
 from datetime import timedelta
 from typing import Any, Callable
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ddpx.bench.contenders import contenders_named, gradient_bytes, is_ours, wrap
+from lightning_ddpx.bench.launch import write_result
 from lightning_ddpx.bench.timing import interleaved_timing
 from lightning_ddpx.bench.workload import load_workload
 
@@ -100,10 +100,7 @@ def main(argv: list[str]) -> None:
         result = run(rank, world_size, config)
     finally:
         dist.destroy_process_group()
-    out = os.path.join(os.path.dirname(config_path), f"rank{rank}.json")
-    with open(out + ".tmp", "w") as f:
-        json.dump(result, f)
-    os.replace(out + ".tmp", out)
+    write_result(config_path, rank, result)
 
 
 if __name__ == "__main__":
