@@ -134,3 +134,20 @@ def test_the_hook_recipe_runs(tmp_path: Path) -> None:
             torch.testing.assert_close(ours.grad, 2.0 * theirs.grad)  # factor 2 on one rank
     finally:
         dist.destroy_process_group()
+
+
+def test_the_benchmark_recipe_names_exist() -> None:
+    import sys
+
+    sys.path.insert(0, str(REPO_ROOT))
+    try:
+        common = importlib.import_module("benchmarks.common")
+        engine_bench = importlib.import_module("benchmarks.bench_engine")
+    finally:
+        sys.path.remove(str(REPO_ROOT))
+    section = PAGE.read_text().split("## Recipe: add a benchmark")[1]
+    names = [n for n in re.findall(r"`(\w+)`", section) if n != "run_rank"]
+    assert {"build_model", "launch", "interleaved_timing", "TARGET_RATIOS"} <= set(names)
+    for name in names:
+        assert hasattr(common, name), name
+    assert hasattr(engine_bench, "run_rank")
