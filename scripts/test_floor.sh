@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The oldest Lightning pyproject.toml claims (lightning>=2.5), proved: the strategy, Fabric, checkpoint, CLI
+# and option tests run in a separate venv, .venv-floor, with lightning==2.5.0 and the pinned torch.
+# torch's floor (2.6) cannot be proved on these machines, which install only torch 2.13's CPU wheel
+# (README.md, "Supported versions"). Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+LIGHTNING_FLOOR=2.5.0
+python=${PYTHON:-python3}
+if [ ! -x .venv-floor/bin/python ]; then
+    "$python" -m venv .venv-floor
+fi
+stamp=.venv-floor/.lightning-$LIGHTNING_FLOOR.stamp
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ]; then
+    echo "Installing lightning-ddpx with lightning==$LIGHTNING_FLOOR into .venv-floor ..." >&2
+    .venv-floor/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt \
+        "lightning==$LIGHTNING_FLOOR" -e ".[examples]" pytest pytest-timeout
+    touch "$stamp"
+fi
+.venv-floor/bin/python -c "import lightning; assert lightning.__version__ == '$LIGHTNING_FLOOR', lightning.__version__"
+OMP_NUM_THREADS=1 .venv-floor/bin/python -m pytest -q -p no:cacheprovider \
+    tests/test_layers.py tests/test_options.py tests/test_strategy_unit.py tests/test_strategy_training.py \
+    tests/test_fabric.py tests/test_strategy_checkpoint.py tests/test_ddp_kwargs.py tests/test_strategy_cli.py \
+    tests/test_uneven_strategies.py tests/test_overlap_optimizer_strategy.py "$@"
