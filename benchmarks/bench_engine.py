@@ -3,6 +3,7 @@
     python benchmarks/bench_engine.py                      # all three models, default allreduce
     python benchmarks/bench_engine.py --noop               # no-communication hook on both: compute-only
     python benchmarks/bench_engine.py --gradient-as-bucket-view --models many --steps 200 --json out.json
+    python benchmarks/bench_engine.py --models many many1000 mlp transformer   # 300 and 1,000 small tensors
 
 Both modules train their own copy of the same model, in the same two processes, interleaved in short blocks
 (see ``benchmarks.common.interleaved_timing`` for why): the number that matters is the ratio ours/torch of
@@ -234,8 +235,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--models",
-        default=",".join(DEFAULT_MODELS),
-        help=f"comma-separated, from {', '.join(MODELS)} (default: %(default)s)",
+        nargs="+",
+        default=[",".join(DEFAULT_MODELS)],
+        help=f"space- or comma-separated, from {', '.join(MODELS)} (default: %(default)s)",
     )
     parser.add_argument(
         "--steps", type=int, default=100, help="timed steps per contender (default: %(default)s)"
@@ -266,7 +268,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", metavar="PATH", help="write every step time and the summary here")
     parser.add_argument("--quiet", action="store_true", help="do not print each round's step times")
     args = parser.parse_args(argv)
-    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    args.models = [m.strip() for group in args.models for m in group.split(",") if m.strip()]
     unknown = [m for m in args.models if m not in MODELS]
     if unknown or not args.models:
         parser.error(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")

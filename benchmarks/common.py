@@ -190,7 +190,7 @@ def launch(
 # --------------------------------------------------------------------------------------------- statistics
 # The largest acceptable step-time ratio ours/torch DDP per model (bench_engine's targets; bench_hooks and
 # bench_stats judge only the models listed here). ``tiny`` has none: it only exercises the scripts.
-TARGET_RATIOS: dict[str, float] = {"mlp": 1.00, "transformer": 1.00, "many": 1.05}
+TARGET_RATIOS: dict[str, float] = {"mlp": 1.00, "transformer": 1.00, "many": 1.00, "many1000": 1.00}
 
 
 def verdict(ratio: float, target: float | None) -> str:

@@ -1,6 +1,7 @@
 """Where does lightning_ddpx spend Python time? Profile our module for a few steps on a 2-process CPU job.
 
     python benchmarks/profile_engine.py                          # cProfile, model "many" (300 small tensors)
+    python benchmarks/profile_engine.py --model many1000         # 1,000 small tensors
     python benchmarks/profile_engine.py --tool torch --steps 5   # torch.profiler table (op level + our labels)
     python benchmarks/profile_engine.py --dump /tmp/ddpx.pstats  # raw cProfile data for snakeviz & co.
 
@@ -40,6 +41,7 @@ from benchmarks.common import (  # noqa: E402
 )
 
 PACKAGE_MARKER = os.sep + "lightning_ddpx" + os.sep  # a profiled function belongs to us if its file is here
+MODELS_MARKER = os.sep + "lightning_ddpx" + os.sep + "bench" + os.sep  # ...unless it is a benchmark model
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ def profile_rank(rank: int, world_size: int, config: ProfileConfig) -> dict[str,
 
 
 def _is_ours(filename: str) -> bool:
-    return PACKAGE_MARKER in filename
+    return PACKAGE_MARKER in filename and MODELS_MARKER not in filename
 
 
 def _label(func: tuple[str, int, str]) -> str:
@@ -97,8 +99,9 @@ def _label(func: tuple[str, int, str]) -> str:
 
 
 def _is_user_model(func: tuple[str, int, str]) -> bool:
-    """``nn.Module.__call__`` reached from DDP.forward: the model's own work, not lightning_ddpx's."""
-    return func[0].replace(os.sep, "/").endswith("torch/nn/modules/module.py")
+    """``nn.Module.__call__`` reached from DDP.forward, or a benchmark model's own code (lightning_ddpx/bench):
+    the model's own work, not lightning_ddpx's."""
+    return func[0].replace(os.sep, "/").endswith("torch/nn/modules/module.py") or MODELS_MARKER in func[0]
 
 
 def cprofile_report(profiler: cProfile.Profile, steps: int, wall_s: float, top: int) -> str:

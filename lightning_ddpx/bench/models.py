@@ -1,12 +1,14 @@
 """Reference models for benchmarks: their shapes stress different parts of data parallelism.
 
-``mlp`` is bandwidth-bound (few, large gradients), ``transformer`` a realistic mix, ``many`` per-parameter
-overhead (300 small tensors), ``tiny`` only exercises code paths. ``python -m lightning_ddpx.bench --model
-mlp`` uses them by name; the scripts in ``benchmarks/`` use the same definitions (and keep their own targets).
+``mlp`` is bandwidth-bound (few, large gradients), ``transformer`` a realistic mix, ``many`` and ``many1000``
+per-parameter overhead (300 and 1,000 small tensors), ``tiny`` only exercises code paths. ``python -m
+lightning_ddpx.bench --model mlp`` uses them by name; the scripts in ``benchmarks/`` use the same definitions
+(and keep their own targets).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -107,6 +109,13 @@ MODELS: dict[str, ModelSpec] = {
             ManySmall,
             (32, 116),
             (32, 116),
+        ),
+        ModelSpec(
+            "many1000",
+            "500 residual Linear(64, 64), ~2M params in 1000 tensors, batch 32",
+            functools.partial(ManySmall, width=64, depth=500),
+            (32, 64),
+            (32, 64),
         ),
         ModelSpec("tiny", "Linear(8, 16) + Linear(16, 4), smoke tests only", Tiny, (4, 8), (4, 4)),
     )

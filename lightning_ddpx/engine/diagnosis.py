@@ -68,7 +68,7 @@ class ProgressBoard:
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         self.debug = debug_enabled() if debug is None else debug
-        self.last = "nothing yet"
+        self._last: tuple[str, tuple] = ("nothing yet", ())  # format and arguments, formatted when read
         self._written_at = float("-inf")
         self._stamp = 0.0  # wall time of the record the writer thread writes next
         self._store = _store_of(process_group)
@@ -77,9 +77,16 @@ class ProgressBoard:
         self._closed = False
         _BOARDS[id(process_group)] = self
 
-    def record(self, what: str) -> None:
-        """Note that this rank starts ``what``; cheap (a store write, when due, happens on another thread)."""
-        self.last = what
+    @property
+    def last(self) -> str:
+        """What this rank last started, as text."""
+        what, args = self._last
+        return what.format(*args) if args else what
+
+    def record(self, what: str, *args: object) -> None:
+        """Note that this rank starts ``what`` (``what.format(*args)``: the text is built only when read);
+        cheap: a tuple assignment, and a store write, when due, happens on another thread."""
+        self._last = (what, args)  # one assignment: a reader on another thread sees a matching pair
         now = time.monotonic()
         if self.debug or now - self._written_at >= PROGRESS_INTERVAL_S:
             self._written_at = now

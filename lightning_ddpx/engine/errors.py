@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from datetime import timedelta
-from typing import Iterator
+from typing import Callable, Iterator, Union
 
 import torch.distributed as dist
 
@@ -68,15 +68,19 @@ def _peer_description(process_group: dist.ProcessGroup | None) -> str:
 
 
 @contextlib.contextmanager
-def waiting_for(what: str, process_group: dist.ProcessGroup | None) -> Iterator[None]:
-    """Re-raise a failing collective inside as :class:`CommunicationError` naming ``what``."""
+def waiting_for(
+    what: Union[str, Callable[[], str]], process_group: dist.ProcessGroup | None
+) -> Iterator[None]:
+    """Re-raise a failing collective inside as :class:`CommunicationError` naming ``what`` (a string, or a
+    function making it, for hot paths that should not build the text unless something fails)."""
     try:
         yield
     except CommunicationError:
         raise
     except RuntimeError as error:
         if _looks_like_communication_failure(error):
-            raise CommunicationError(describe_failure(what, process_group, error)) from error
+            text = what() if callable(what) else what
+            raise CommunicationError(describe_failure(text, process_group, error)) from error
         raise
 
 

@@ -197,11 +197,13 @@ class OptimizerOverlap:
             started = time.perf_counter()
             result = reducer._result_of(b)
             waited += time.perf_counter() - started
-            if globally_used is None:
-                reducer._write_back([result], known_counts, first=b)
+            if globally_used is None or not reducer._unused_in_bucket[b]:
+                with torch.no_grad():  # every parameter of the bucket is known to be used somewhere
+                    reducer._write_back_bucket(b, result, known_counts)
                 members = plan[b]
             else:  # only this rank's used parameters are known to be used somewhere
-                reducer._write_back([result], locally_used, first=b)
+                with torch.no_grad():
+                    reducer._write_back_bucket(b, result, locally_used)
                 members = _subset(plan[b], lambda p: locally_used[index_of[id(p)]])
                 deferred.append((b, result))
             stepping += self._step(view, groups, members)
@@ -214,7 +216,8 @@ class OptimizerOverlap:
                 reducer.static.record(counts)
             rest = [0 if locally_used[i] else count for i, count in enumerate(counts)]
             for b, result in deferred:
-                reducer._write_back([result], rest, first=b)
+                with torch.no_grad():
+                    reducer._write_back_bucket(b, result, rest)
                 stepping += self._step(
                     view, groups, _subset(plan[b], lambda p: not locally_used[index_of[id(p)]])
                 )

@@ -66,7 +66,7 @@ class Phase(enum.Enum):
 class _Bucket:
     """Runtime storage for one :class:`BucketSpec`: the flat buffer and per-parameter views into it."""
 
-    __slots__ = ("spec", "buffer", "views", "params", "nbytes", "names")
+    __slots__ = ("spec", "buffer", "views", "params", "nbytes", "names", "fused_scale")
 
     def __init__(self, spec: BucketSpec, params: Sequence[torch.nn.Parameter], names: Sequence[str]) -> None:
         self.spec = spec
@@ -78,6 +78,8 @@ class _Bucket:
             self.buffer[offset : offset + p.numel()].view_as(p)
             for offset, p in zip(spec.offsets, self.params)
         ]
+        # Large gradients on average: scale while copying, one fused multiply per parameter (see above).
+        self.fused_scale = spec.numel >= _FUSED_SCALE_MIN_AVERAGE_NUMEL * len(self.params)
 
 
 class Reducer:
@@ -112,6 +114,7 @@ class Reducer:
 
         self.hook: CommHook = _sum_allreduce_hook
         self.hook_state: Any = process_group
+        self._hook_name = _hook_name(self.hook)  # for progress records and errors
         self._scale_on_copy: float | None = 1.0 / self.world_size  # only for the default hook
         self._launcher: InlineLauncher | SequencedLauncher = InlineLauncher()
         # overlap_optimizer_with: writes back and steps bucket by bucket in _finalize (engine.optimizer_overlap)
@@ -195,6 +198,7 @@ class Reducer:
     # ------------------------------------------------------------------------------------ comm hook
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         self.hook, self.hook_state = hook, state
+        self._hook_name = _hook_name(hook)
         self._scale_on_copy = None  # a registered hook sees the plain local gradients
         self._launcher.close()
         self._launcher = InlineLauncher() if issues_collectives_on_call(hook) else SequencedLauncher()
@@ -264,7 +268,7 @@ class Reducer:
                     b, zeros, views, bucket.params, b == len(self.buckets) - 1, names=bucket.names
                 )
                 self.progress.record(
-                    f"bucket {b} of {len(self.buckets)} ({_hook_name(hook)}), shadowing (joined)"
+                    "bucket {} of {} ({}), shadowing (joined)", b, len(self.buckets), self._hook_name
                 )
                 call: Callable[[], torch.futures.Future] = lambda gb=grad_bucket: hook(state, gb)  # noqa: E731
                 if self.progress.debug:  # counted as if this rank ran the forward it shadows
@@ -320,16 +324,32 @@ class Reducer:
 
     # ------------------------------------------------------------------------------------- backward
     def _make_grad_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        reducing, idle = Phase.REDUCING, Phase.IDLE
+
         def on_grad_accumulated(_param: torch.Tensor) -> None:
-            if self.phase is not Phase.REDUCING:
-                if self.phase is Phase.IDLE:
+            # Runs once per parameter per backward, so it does the minimum: a few list and bytearray stores
+            # and one counter decrement; everything per bucket (copies, views, the hook) waits for _launch.
+            if self.phase is not reducing:
+                if self.phase is idle:
                     if self._synced_since_forward:
                         raise RuntimeError(self._backward_after_sync_message(index))
                     return
                 self._begin_reduction()
             if self.static is not None and not self.static.on_gradient(index):
                 return  # more gradients of this parameter to come (or recording: all wait for the end)
-            self._mark_ready(index, used=True)
+            # _mark_ready(index, used=True), inlined: a call costs as much as the rest of this function
+            ready = self._ready
+            if ready[index] or self._ready_order is not None or self._on_cuda:
+                self._mark_ready(index, used=True)  # errors, the first iterations, CUDA: the general path
+                return
+            ready[index] = 1
+            self._locally_used[index] = 1
+            b = self._bucket_of[index]
+            pending = self._pending
+            left = pending[b] - 1
+            pending[b] = left
+            if not left and b == self._next_launch:
+                self._launch_ready_buckets()
 
         return on_grad_accumulated
 
@@ -341,32 +361,57 @@ class Reducer:
             self._mark_ready(index, used=False)
 
     def _mark_ready(self, index: int, used: bool) -> None:
-        if self._ready[index]:
+        ready = self._ready
+        if ready[index]:
             raise RuntimeError(self._ready_twice_message(index))
-        self._ready[index] = 1
+        ready[index] = 1
         if self._ready_order is not None:
             self._ready_order.append(index)
         b = self._bucket_of[index]
         if used:
             self._locally_used[index] = 1
             if self._on_cuda:
-                self._grad_streams[index] = torch.cuda.current_stream(self.params[index].device)
-            if self.gradient_as_bucket_view:
-                self._adopt_grad_as_view(index, b)
+                self._note_cuda_gradient(index, b)
         else:
             self._unused_in_bucket[b] += 1
             if self.gradient_as_bucket_view:
                 self._detach_unused_view(index, b)
-        self._pending[b] -= 1
-        if self._pending[b] == 0 and b == self._next_launch:
+        pending = self._pending
+        left = pending[b] - 1
+        pending[b] = left
+        if not left and b == self._next_launch:
             self._launch_ready_buckets()
 
-    def _adopt_grad_as_view(self, index: int, b: int) -> None:
-        param = self.params[index]
-        view = self.buckets[b].views[self._position_of[index]]
-        if param.grad is not view:
-            with torch.no_grad():
-                view.copy_(param.grad)
+    def _note_cuda_gradient(self, index: int, b: int) -> None:
+        """CUDA: remember the stream that produced the gradient; with bucket views, copy it into its view on
+        that stream now (the tensor autograd made is freed right after, so the copy must not outlive it on
+        another stream). On the CPU, views adopt their gradients in one batched copy at launch instead."""
+        self._grad_streams[index] = torch.cuda.current_stream(self.params[index].device)
+        if self.gradient_as_bucket_view:
+            param = self.params[index]
+            view = self.buckets[b].views[self._position_of[index]]
+            if param.grad is not view:
+                with torch.no_grad():
+                    view.copy_(param.grad)
+                param.grad = view
+
+    @torch.no_grad()
+    def _adopt_grads_as_views(self, b: int, bucket: _Bucket) -> None:
+        """gradient_as_bucket_view: make each used parameter's ``grad`` its bucket view, copying the values of
+        gradients autograd allocated itself (after ``zero_grad(set_to_none=True)``) in one batched copy."""
+        params, views = bucket.params, bucket.views
+        grads = [param.grad for param in params]
+        if self._unused_in_bucket[b]:  # unused parameters' views were detached (zeroed) already
+            used, indices = self._locally_used, bucket.spec.param_indices
+            stale = [k for k, grad in enumerate(grads) if grad is not views[k] and used[indices[k]]]
+        else:
+            stale = [k for k, grad in enumerate(grads) if grad is not views[k]]
+        if not stale:
+            return  # gradients kept between steps (zero_grad(set_to_none=False)) were accumulated in place
+        if len(stale) < len(grads):
+            params, views, grads = ([items[k] for k in stale] for items in (params, views, grads))
+        torch._foreach_copy_(views, grads)
+        for param, view in zip(params, views):
             param.grad = view
 
     def _detach_unused_view(self, index: int, b: int) -> None:
@@ -394,7 +439,8 @@ class Reducer:
                 else:
                     self._copy_grads_into(b, bucket, self._scale_on_copy)
             else:
-                wait_streams(stream, others)  # the views were written in each gradient's own hook
+                wait_streams(stream, others)  # CUDA: the views were written in each gradient's own hook
+                self._adopt_grads_as_views(b, bucket)
                 if self._scale_on_copy is not None:
                     bucket.buffer.mul_(self._scale_on_copy)
             sent_log = self._sent_log if self.collect_stats else None
@@ -403,8 +449,9 @@ class Reducer:
                 names=bucket.names,
             )  # fmt: skip
             self.progress.record(
-                f"bucket {b} of {len(self.buckets)} ({_hook_name(self.hook)}) in iteration {self.iterations_synced + 1}"
-            )
+                "bucket {} of {} ({}) in iteration {}", b, len(self.buckets), self._hook_name,
+                self.iterations_synced + 1,
+            )  # fmt: skip
             call = on_stream(stream, self._hook_call(grad_bucket, bucket.nbytes))  # also on the comm thread
             if self.progress.debug:
                 call = self._checked(call, b, (self._forwards_armed, self._reductions + 1))
@@ -470,7 +517,7 @@ class Reducer:
     @torch.no_grad()
     def _copy_grads_into(self, b: int, bucket: _Bucket, scale: float | None) -> None:
         """Fill the bucket from ``param.grad`` (zero for locally unused parameters), times ``scale`` if given."""
-        fused = scale is not None and bucket.spec.numel >= _FUSED_SCALE_MIN_AVERAGE_NUMEL * len(bucket.params)
+        fused = scale is not None and bucket.fused_scale
         if self._unused_in_bucket[b] == 0 and not fused:
             torch._foreach_copy_(bucket.views, [p.grad for p in bucket.params])
             if scale is not None:
@@ -491,7 +538,8 @@ class Reducer:
         succeeded = False
         with label("lightning_ddpx::finalize"):
             try:
-                missing = [i for i in range(len(self.params)) if not self._ready[i]]
+                ready = self._ready
+                missing = [] if ready.find(0) < 0 else [i for i in range(len(ready)) if not ready[i]]
                 if self.static is not None:
                     globally_used = self._finalize_static(missing)
                 else:
@@ -517,7 +565,9 @@ class Reducer:
                     elif self.static is not None:
                         used_counts = self.static.globally_used
                     self.last_exposed_comm_s = time.perf_counter() - started
-                    self._write_back(results, used_counts)
+                    with torch.no_grad():
+                        for b, result in enumerate(results):
+                            self._write_back_bucket(b, result, used_counts)
                 if self.collect_stats:
                     self._record_step_stats()
                 succeeded = True
@@ -551,7 +601,7 @@ class Reducer:
         self.stats_window.add(stats)
 
     def _launch_used_bitmap(self) -> torch.futures.Future:
-        self.progress.record(f"the used-parameter bitmap in iteration {self.iterations_synced + 1}")
+        self.progress.record("the used-parameter bitmap in iteration {}", self.iterations_synced + 1)
         bitmap = torch.tensor(
             list(self._locally_used), dtype=torch.int32, device=self.buckets[0].buffer.device
         )
@@ -561,9 +611,9 @@ class Reducer:
     def _result_of(self, b: int) -> torch.Tensor:
         future = self._futures[b]
         assert future is not None, f"bucket {b} was never launched"
-        what = (
+        what = lambda: (  # noqa: E731 - built only if the wait fails
             f"bucket {b} (parameters {self._bucket_names(b)}) of iteration {self.iterations_synced + 1} to be "
-            f"reduced by {_hook_name(self.hook)}"
+            f"reduced by {self._hook_name}"
         )
         try:
             with waiting_for(what, self.process_group):
@@ -601,27 +651,34 @@ class Reducer:
             )
         return value
 
-    @torch.no_grad()
-    def _write_back(
-        self, results: list[torch.Tensor], used_counts: Sequence[int] | None, first: int = 0
-    ) -> None:
-        """``results`` of buckets ``first, first + 1, ...`` into ``param.grad`` (parameters counted 0 skipped)."""
-        for bucket, result in zip(self.buckets[first:], results):
-            if result is not bucket.buffer:
-                bucket.buffer.copy_(result)
-            grads, views = [], []
-            for index, param, view in zip(bucket.spec.param_indices, bucket.params, bucket.views):
-                if used_counts is not None and used_counts[index] == 0:
-                    continue  # unused on every rank: leave its grad untouched
-                if self.gradient_as_bucket_view:
-                    param.grad = view
-                elif param.grad is None:
-                    param.grad = view.clone()
-                else:
-                    grads.append(param.grad)
-                    views.append(view)
-            if grads:
-                torch._foreach_copy_(grads, views)
+    def _write_back_bucket(self, b: int, result: torch.Tensor, used_counts: list[int] | None) -> None:
+        """Put bucket ``b``'s reduced gradients into ``param.grad`` (call under ``torch.no_grad()``).
+
+        Parameters unused on every rank (``used_counts``) keep their ``grad``. With bucket views the
+        gradients already alias the buffer, so only the buffer is written.
+        """
+        bucket = self.buckets[b]
+        if result is not bucket.buffer:
+            bucket.buffer.copy_(result)
+        if self._unused_in_bucket[b] == 0:
+            # Every gradient of the bucket arrived on this rank, so each is used and defined, and with bucket
+            # views each ``grad`` was made its view at launch: one batched copy, or nothing.
+            if not self.gradient_as_bucket_view:
+                torch._foreach_copy_([param.grad for param in bucket.params], bucket.views)
+            return
+        grads, views = [], []
+        for index, param, view in zip(bucket.spec.param_indices, bucket.params, bucket.views):
+            if used_counts is not None and used_counts[index] == 0:
+                continue  # unused on every rank: leave its grad untouched
+            if self.gradient_as_bucket_view:
+                param.grad = view
+            elif param.grad is None:
+                param.grad = view.clone()
+            else:
+                grads.append(param.grad)
+                views.append(view)
+        if grads:
+            torch._foreach_copy_(grads, views)
 
     def _end_iteration(self, succeeded: bool) -> None:
         self.phase = Phase.IDLE
