@@ -148,3 +148,20 @@ def test_compile_benchmark_runs_end_to_end(tmp_path) -> None:
     tiny = json.loads(out.read_text())["models"]["tiny"]
     assert all(len(tiny["step_ms"][c]) == 2 for c in ("eager", "whole", "split"))
     assert tiny["split_vs_whole"]["ratio"] > 0
+
+
+def test_per_parameter_benchmark_runs_end_to_end() -> None:
+    completed = run_benchmark("bench_per_parameter.py", "--models", "tiny", "--rounds", "4", "--block", "1")
+    row = next(line for line in completed.stdout.splitlines() if line.startswith("tiny"))
+    assert int(row.split()[1]) == 4  # tensors of the tiny model
+    completed = run_benchmark(
+        "bench_per_parameter.py",
+        "--models",
+        "tiny",
+        "--rounds",
+        "4",
+        "--block",
+        "1",
+        "--gradient-as-bucket-view",
+    )
+    assert "gradient_as_bucket_view=True" in completed.stdout

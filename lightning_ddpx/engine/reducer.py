@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_ddpx._compat.torch import foreach_copy_, queue_backward_callback
 from lightning_ddpx.engine.backward_start import attach_backward_start
 from lightning_ddpx.engine.bucketing import BucketInfo, BucketSpec, plan_buckets
 from lightning_ddpx.engine.comm_stats import CommStatsWindow, StepCommStats
@@ -355,7 +356,7 @@ class Reducer:
 
     def _begin_reduction(self) -> None:
         self.phase = Phase.REDUCING
-        torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        queue_backward_callback(self._finalize)
         unused, self._forward_unused = self._forward_unused, set()
         for index in sorted(unused):
             self._mark_ready(index, used=False)
@@ -410,7 +411,7 @@ class Reducer:
             return  # gradients kept between steps (zero_grad(set_to_none=False)) were accumulated in place
         if len(stale) < len(grads):
             params, views, grads = ([items[k] for k in stale] for items in (params, views, grads))
-        torch._foreach_copy_(views, grads)
+        foreach_copy_(views, grads)
         for param, view in zip(params, views):
             param.grad = view
 
@@ -519,7 +520,7 @@ class Reducer:
         """Fill the bucket from ``param.grad`` (zero for locally unused parameters), times ``scale`` if given."""
         fused = scale is not None and bucket.fused_scale
         if self._unused_in_bucket[b] == 0 and not fused:
-            torch._foreach_copy_(bucket.views, [p.grad for p in bucket.params])
+            foreach_copy_(bucket.views, [p.grad for p in bucket.params])
             if scale is not None:
                 bucket.buffer.mul_(scale)
             return
@@ -664,7 +665,7 @@ class Reducer:
             # Every gradient of the bucket arrived on this rank, so each is used and defined, and with bucket
             # views each ``grad`` was made its view at launch: one batched copy, or nothing.
             if not self.gradient_as_bucket_view:
-                torch._foreach_copy_([param.grad for param in bucket.params], bucket.views)
+                foreach_copy_([param.grad for param in bucket.params], bucket.views)
             return
         grads, views = [], []
         for index, param, view in zip(bucket.spec.param_indices, bucket.params, bucket.views):
@@ -678,7 +679,7 @@ class Reducer:
                 grads.append(param.grad)
                 views.append(view)
         if grads:
-            torch._foreach_copy_(grads, views)
+            foreach_copy_(grads, views)
 
     def _end_iteration(self, succeeded: bool) -> None:
         self.phase = Phase.IDLE

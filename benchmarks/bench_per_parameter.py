@@ -1,0 +1,114 @@
+"""Per-parameter cost of data parallelism, ours vs torch's DDP, in one process (gloo, world size 1).
+
+    python benchmarks/bench_per_parameter.py                                 # many, many1000
+    python benchmarks/bench_per_parameter.py --models many1000 --gradient-as-bucket-view --rounds 60
+
+With one rank there is no communication to wait for, so what is left over a plain model's step is what data
+parallelism costs per step: hooks, bucket copies, bookkeeping. Three contenders (plain model, torch's DDP,
+ours) step in the same process, interleaved in short blocks, and each step is timed in *thread CPU time*,
+which other jobs on a shared machine do not inflate (wall time would). Printed per model: each wrapper's
+overhead over the plain step in microseconds per parameter tensor (median of same-round differences, with
+p25-p75), and the ratio ours/torch of whole steps. docs/benchmarks.md ("Per-parameter cost") has figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+from typing import Callable
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` and `lightning_ddpx` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+from benchmarks.common import free_port  # noqa: E402
+from lightning_ddpx import DistributedDataParallel  # noqa: E402
+from lightning_ddpx.bench.models import MODELS, build_model  # noqa: E402
+
+CONTENDERS = ("plain", "torch", "ours")
+
+
+def _train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+
+    return step
+
+
+def measure(name: str, bucket_view: bool, rounds: int, block: int) -> dict[str, float]:
+    """Thread-CPU step times of the three contenders on model ``name``; overheads and the step ratio."""
+    spec = MODELS[name]
+    torch.manual_seed(0)
+    x, y = torch.randn(spec.input_shape), torch.randn(spec.target_shape)
+    models = {
+        "plain": build_model(name),
+        "torch": torch.nn.parallel.DistributedDataParallel(
+            build_model(name), gradient_as_bucket_view=bucket_view
+        ),
+        "ours": DistributedDataParallel(build_model(name), gradient_as_bucket_view=bucket_view),
+    }
+    steps = {k: _train_step(m, x, y) for k, m in models.items()}
+    for _ in range(5):  # warm-up: bucket rebuild, allocator
+        for step in steps.values():
+            step()
+    times: dict[str, list[float]] = {k: [] for k in CONTENDERS}
+    for r in range(rounds):
+        for k in CONTENDERS if r % 2 == 0 else CONTENDERS[::-1]:
+            for _ in range(block):
+                started = time.thread_time()
+                steps[k]()
+                times[k].append(time.thread_time() - started)
+    tensors = len(list(models["plain"].parameters()))
+    result: dict[str, float] = {"tensors": tensors}
+    for k in ("torch", "ours"):
+        overhead = [t - p for t, p in zip(times[k], times["plain"])]
+        q = statistics.quantiles(overhead, n=4)
+        result[f"{k}_us_per_param"] = 1e6 * statistics.median(overhead) / tensors
+        result[f"{k}_us_p25"], result[f"{k}_us_p75"] = 1e6 * q[0] / tensors, 1e6 * q[2] / tensors
+    ratios = [o / t for o, t in zip(times["ours"], times["torch"])]
+    q = statistics.quantiles(ratios, n=4)
+    result.update(ratio=statistics.median(ratios), ratio_p25=q[0], ratio_p75=q[2])
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["many", "many1000"], choices=sorted(MODELS))
+    parser.add_argument("--gradient-as-bucket-view", action="store_true")
+    parser.add_argument(
+        "--rounds", type=int, default=40, help="interleaved rounds (each contender once a round)"
+    )
+    parser.add_argument("--block", type=int, default=5, help="steps per contender per round")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=120))
+    try:
+        print(f"gradient_as_bucket_view={args.gradient_as_bucket_view}; thread CPU time, one process")
+        print(
+            "model      tensors  torch us/param (p25-p75)  ours us/param (p25-p75)  ours/torch step (p25-p75)"
+        )
+        for name in args.models:
+            r = measure(name, args.gradient_as_bucket_view, args.rounds, args.block)
+            print(
+                f"{name:10s} {r['tensors']:7d}  {r['torch_us_per_param']:6.2f} ({r['torch_us_p25']:.2f}-"
+                f"{r['torch_us_p75']:.2f})      {r['ours_us_per_param']:6.2f} ({r['ours_us_p25']:.2f}-"
+                f"{r['ours_us_p75']:.2f})     {r['ratio']:.3f} ({r['ratio_p25']:.3f}-{r['ratio_p75']:.3f})"
+            )
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
