@@ -315,3 +315,28 @@ def test_init_sync_false_keeps_each_ranks_weights(results):
     unsynced = [r["init_sync/False"]["net.0.weight"] for r in results]
     assert torch.equal(synced[0], synced[1])
     assert not torch.equal(unsynced[0], unsynced[1])
+
+
+def _replaced_buffer_is_broadcast(rank: int, world_size: int) -> dict:
+    import torch.nn as nn
+
+    from lightning_ddpx import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)))
+    bn = model.module[1]
+    bn.eval()  # running statistics are used, not updated: what forward sees is what was broadcast
+    bn.running_mean = torch.full((3,), float(rank + 5))  # replaced by assignment after wrapping
+    with torch.no_grad():
+        out = model(torch.ones(2, 3))
+    return {"running_mean": bn.running_mean.clone(), "out": out}
+
+
+@pytest.mark.slow
+def test_a_buffer_replaced_after_wrapping_is_still_broadcast():
+    """Buffers are found once at construction (no walk of every submodule each step) but looked up by name,
+    so a buffer replaced by assignment is still rank 0's before forward."""
+    results = run_distributed(_replaced_buffer_is_broadcast, 2)
+    for result in results:
+        torch.testing.assert_close(result["running_mean"], torch.full((3,), 5.0))
+    torch.testing.assert_close(results[0]["out"], results[1]["out"])
