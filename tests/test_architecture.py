@@ -151,3 +151,14 @@ def test_the_benchmark_recipe_names_exist() -> None:
     for name in names:
         assert hasattr(common, name), name
     assert hasattr(engine_bench, "run_rank")
+
+
+def test_the_lightning_layer_uses_the_module_not_its_reducer() -> None:
+    """The strategies talk to DistributedDataParallel's public surface; the reducer is the engine's own."""
+    offenders = [
+        f"{path.relative_to(REPO_ROOT)}:{number}"
+        for path in sorted((PACKAGE / "lightning").glob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"\.reducer\b", line) and not line.lstrip().startswith("#")
+    ]
+    assert not offenders, offenders

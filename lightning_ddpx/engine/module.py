@@ -330,6 +330,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._hook_registered = True
 
     @property
+    def synchronised_steps(self) -> int:
+        """How many backward passes have synchronised gradients so far (``no_sync`` ones do not count)."""
+        return self.reducer.iterations_synced
+
+    @property
     def comm_hook(self) -> CommHook | None:
         return self.reducer.hook if self._hook_registered else None
 

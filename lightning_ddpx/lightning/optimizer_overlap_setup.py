@@ -106,7 +106,7 @@ def attach_fabric_optimizer(
     _refuse_scaler(precision)
     raw = _unwrap_optimizer(optimizer)
     owned = {id(p) for group in raw.param_groups for p in group["params"]}
-    owners = [m for m in modules if any(id(p) in owned for p in m.reducer.params)]
+    owners = [m for m in modules if any(id(p) in owned for p in m.module.parameters())]
     if len(owners) != 1:
         raise ValueError(
             f"DDPXStrategy: overlap_optimizer=True needs the optimizer's parameters to belong to one model set up "

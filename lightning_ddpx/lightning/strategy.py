@@ -307,7 +307,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             or lightning_compat.trainer_of(module) is None
         ):
             return
-        synced = model.reducer.iterations_synced
+        synced = model.synchronised_steps
         if synced == 0 or synced % self.comm_stats_every_n_steps:
             return
         summary = model.take_comm_stats()
