@@ -15,23 +15,19 @@ Why these pieces exist:
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import platform
-import queue
 import subprocess
 import sys
 import time
-import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from lightning_ddpx.bench.launch import free_port
+from benchmarks import rank_worker
+from lightning_ddpx.bench.launch import free_port, run_ranks
 from lightning_ddpx.bench.models import MODELS, ModelSpec, build_model
 from lightning_ddpx.bench.timing import (
     PairSummary,
@@ -104,87 +100,45 @@ def max_param_diff(a: nn.Module, b: nn.Module) -> float:
 
 
 # ----------------------------------------------------------------------------------------------- launcher
-def _rank_main(
-    rank: int,
-    world_size: int,
-    port: int,
-    fn: Callable[..., Any],
-    args: tuple,
-    results: Any,
-    pg_timeout_s: float,
-) -> None:
-    # One intra-op thread per process: two processes on a small CPU machine must not oversubscribe cores,
-    # or the measurement becomes a measurement of the OS scheduler. (OMP_NUM_THREADS is set by the parent.)
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=pg_timeout_s),
-        )
-        results.put((rank, "ok", fn(rank, world_size, *args)))
-    except BaseException:  # noqa: BLE001 - every failure must reach the parent
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def launch(
     fn: Callable[..., Any],
     args: tuple = (),
     world_size: int = 2,
     timeout_s: float = 1800.0,
     pg_timeout_s: float = 300.0,
+    link: str | None = None,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` CPU processes joined by gloo on 127.0.0.1.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` CPU processes joined by gloo; results by rank.
 
-    ``fn`` must be importable (module level) and return something picklable. Spawn (not fork) gives each rank
-    a clean interpreter, as a real launcher would. Returns the results by rank; raises ``RuntimeError`` with
-    the first failing rank's traceback, or ``TimeoutError`` if the job takes longer than ``timeout_s``.
+    The ranks are started by the shipped launcher, ``lightning_ddpx.bench.launch.run_ranks`` (fresh
+    interpreters, as a real launcher would; over loopback, or with ``link="1gbit"``... over an emulated link
+    between two network namespaces), each running ``benchmarks.rank_worker``. ``fn`` must be defined at module
+    level (in a benchmark script run as ``python benchmarks/x.py`` too) and return something picklable.
+    Raises ``RuntimeError`` with the first failing rank's stderr, or ``TimeoutError`` after ``timeout_s``.
     """
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned children before torch loads OpenMP
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo" if sys.platform.startswith("linux") else "lo0")
-    context = mp.get_context("spawn")
-    port = free_port()
-    results = context.Queue()
-    processes = [
-        context.Process(
-            target=_rank_main, args=(rank, world_size, port, fn, args, results, pg_timeout_s), daemon=True
-        )
-        for rank in range(world_size)
-    ]
-    for process in processes:
-        process.start()
-    outcomes: dict[int, tuple[str, Any]] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(outcomes) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = sorted(set(range(world_size)) - set(outcomes))
-                raise TimeoutError(f"benchmark ranks {missing} did not finish within {timeout_s:.0f} s")
-            try:
-                rank, status, payload = results.get(timeout=min(remaining, 1.0))
-            except queue.Empty:
-                dead = [
-                    r for r, p in enumerate(processes) if p.exitcode not in (None, 0) and r not in outcomes
-                ]
-                if dead:
-                    raise RuntimeError(f"benchmark rank(s) {dead} died without reporting a result") from None
-                continue
-            outcomes[rank] = (status, payload)
-            if status == "error":
-                raise RuntimeError(f"benchmark rank {rank} failed:\n{payload}")
-    finally:
-        for process in processes:
-            process.join(timeout=10 if len(outcomes) == world_size else 0.5)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5)
-    return [outcomes[rank][1] for rank in range(world_size)]
+    function = _importable_name(fn)
+    config = {
+        "world_size": world_size,
+        "function": function,
+        "args": rank_worker.encode(tuple(args)),
+        "pg_timeout_s": pg_timeout_s,
+        # classes defined in a script run as __main__ are pickled under that name: the rank must find them
+        "main_module": function.partition(":")[0] if fn.__module__ == "__main__" else None,
+    }
+    pythonpath = os.environ.get("PYTHONPATH", "")
+    if REPO_ROOT not in pythonpath.split(os.pathsep):  # the ranks import `benchmarks` from the repo
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, pythonpath) if p)
+    results = run_ranks(config, link, timeout_s, worker="benchmarks.rank_worker")
+    return [rank_worker.decode(result["pickle"]) for result in results]
+
+
+def _importable_name(fn: Callable[..., Any]) -> str:
+    """``module:qualname`` of ``fn``; a script's ``__main__`` becomes its module path under the repo."""
+    module = fn.__module__
+    if module == "__main__":
+        path = os.path.abspath(sys.modules["__main__"].__file__ or "")
+        module = os.path.splitext(os.path.relpath(path, REPO_ROOT))[0].replace(os.sep, ".")
+    return f"{module}:{fn.__qualname__}"
 
 
 # --------------------------------------------------------------------------------------------- statistics
