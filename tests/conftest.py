@@ -1,4 +1,6 @@
-"""What every test shares: Lightning's advice for real training hidden, and its INFO banners.
+"""What every test shares: Lightning's advice for real training hidden, and its INFO banners; the hook
+name registry as it was before the test (a name a test registers must not reach later tests, whose rank
+processes would not know it).
 
 Starting processes (a function on N gloo ranks, a script, a CLI, torchrun) is :mod:`tests.dist_utils`'s
 job; rank processes do not read this file, so what they need (``quiet()``) is called there explicitly.
@@ -30,3 +32,13 @@ def quiet_lightning() -> Iterator[None]:
     yield
     for logger, level in zip(loggers, levels):
         logger.setLevel(level)
+
+
+@pytest.fixture(autouse=True)
+def restore_hook_registry() -> Iterator[None]:
+    from lightning_ddpx.hooks import registry
+
+    before = dict(registry._REGISTRY)
+    yield
+    registry._REGISTRY.clear()
+    registry._REGISTRY.update(before)
