@@ -19,7 +19,6 @@ __all__ = [
     "allow_non_fake_inputs",
     "ddp_optimizer_context",
     "default_store",
-    "disable_dynamo",
     "dynamic_of",
     "fake_mode_of_current_trace",
     "foreach_add_",
@@ -46,11 +45,6 @@ queue_backward_callback: Callable[[Callable[[], None]], None] = (
 # Whether the autograd profiler is recording: record_function labels cost a few microseconds each, so we
 # only create them while someone is looking. torch >= 1.0.
 profiler_enabled: Callable[[], bool] = torch.autograd._profiler_enabled
-
-# torch.compiler.disable, applied lazily: the public decorator imports torch._dynamo where it decorates (about
-# 1 s, half of `import lightning_ddpx`); this one imports it at the first call, as torch's own modules do
-# (torch.optim). Our forward's bookkeeping must stay out of a compiled graph. torch >= 2.1.
-disable_dynamo: Callable[..., Any] = torch._disable_dynamo
 
 # Multi-tensor kernels: one call for a bucket's worth of tensors instead of one per tensor (torch.optim's
 # foreach implementations use them). _foreach_add_/_sub_ torch >= 1.7, _foreach_copy_ torch >= 2.1.

@@ -16,7 +16,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from lightning_ddpx._compat.torch import disable_dynamo
 from lightning_ddpx.engine.backend_support import check_bf16_hook
 from lightning_ddpx.engine.bucketing import BucketInfo, megabytes_to_bytes
 from lightning_ddpx.engine.comm_stats import CommStatsSummary, StepCommStats
@@ -133,7 +132,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # The reducer's bookkeeping is Python state (phases, bucket rebuilds, collectives): under torch.compile it
     # runs eagerly, outside the graph, so the compiled graph holds only the module's computation.
-    @disable_dynamo
+    @torch.compiler.disable
     def _before_forward(self) -> bool:
         will_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         sync_buffers = self.broadcast_buffers and self._sync_buffers_next_forward and self.world_size > 1
@@ -173,7 +172,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             round_.buffers_src if round_.buffers_src is not None else 0,
         )
 
-    @disable_dynamo
+    @torch.compiler.disable
     def _after_forward(self, output: Any, will_sync: bool) -> None:
         self._sync_buffers_next_forward = will_sync
         if will_sync:
