@@ -23,6 +23,7 @@ then use it where it acts; docs/dev/architecture.md has the recipe.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import sys
 import textwrap
@@ -93,6 +94,7 @@ SPELLINGS: tuple[Option, ...] = (
 )
 
 
+@functools.cache  # the declarations are fixed once DDPXConfig is defined; every strategy built reads them
 def _config_options() -> tuple[Option, ...]:
     hints = typing.get_type_hints(DDPXConfig, globalns=vars(sys.modules[DDPXConfig.__module__]))
     return tuple(
