@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ddpx.bench.launch import write_result
+from lightning_ddpx.engine.exit_threads import wait_for_idle_gloo_workers
 
 
 def encode(value: Any) -> str:
@@ -57,6 +58,8 @@ def main(config_path: str, rank: int) -> None:
         write_result(config_path, rank, {"pickle": encode(result)})
     finally:
         dist.destroy_process_group()
+        # a contender's model may still reference the group, keeping gloo's workers alive past the destroy
+        wait_for_idle_gloo_workers()
 
 
 if __name__ == "__main__":

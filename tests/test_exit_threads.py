@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 
+import pytest
 import torch
 
 from lightning_ddpx.engine import exit_threads
@@ -37,3 +39,18 @@ def test_a_thread_that_does_not_end_is_named() -> None:
     exit_threads.stop_at_exit(stuck, "stuck-thread", 0.01)
     assert "stuck-thread" in exit_threads.stop_all()
     del exit_threads._RUNNING[stuck]
+
+
+def test_gloo_workers_are_found_and_seen_idle(tmp_path) -> None:
+    """The exit handler's wait sees gloo's worker threads (a group of one, no default group needed) and
+    returns once they are idle; the waiting itself is proven by tests/test_process_exit.py's repeated jobs."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads /proc/self/task: Linux only (elsewhere the handler sleeps instead)")
+    before = set(exit_threads._gloo_worker_activity())
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    group = torch.distributed.ProcessGroupGloo(store, 0, 1)
+    group.allreduce([torch.ones(4)]).wait()
+    workers = set(exit_threads._gloo_worker_activity()) - before
+    assert len(workers) >= 1, "no pt_gloo_runloop thread found in /proc/self/task"
+    assert exit_threads.wait_for_idle_gloo_workers(timeout=5.0)
+    del group

@@ -20,6 +20,7 @@ from lightning_ddpx.bench.contenders import contenders_named, gradient_bytes, is
 from lightning_ddpx.bench.launch import write_result
 from lightning_ddpx.bench.timing import interleaved_timing
 from lightning_ddpx.bench.workload import load_workload
+from lightning_ddpx.engine.exit_threads import wait_for_idle_gloo_workers
 
 
 def run(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any]:
@@ -100,6 +101,8 @@ def main(argv: list[str]) -> None:
         result = run(rank, world_size, config)
     finally:
         dist.destroy_process_group()
+        # torch's DDP contender may still reference the group, keeping gloo's workers alive past the destroy
+        wait_for_idle_gloo_workers()
     write_result(config_path, rank, result)
 
 

@@ -25,6 +25,7 @@ from lightning_ddpx.engine.consistency import (
     verify_same_settings,
 )
 from lightning_ddpx.engine.errors import waiting_for
+from lightning_ddpx.engine.exit_threads import register_exit_handler
 from lightning_ddpx.engine.join import DDPXJoinHook, announce, broadcast_from
 from lightning_ddpx.engine.optimizer_overlap import OptimizerOverlap
 from lightning_ddpx.engine.profiling import label
@@ -77,6 +78,9 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "lightning_ddpx.DistributedDataParallel needs an initialised default process group: call "
                 "torch.distributed.init_process_group(...) first (Lightning's DDPXStrategy does this for you)."
             )
+        # gloo's workers may still be releasing this module's last collective when the script ends: wait for
+        # them at exit, or the process can abort (lightning_ddpx.engine.exit_threads).
+        register_exit_handler()
         self.module = module
         self._buffer_slots = _buffer_slots(module)
         self.process_group = process_group if process_group is not None else dist.group.WORLD
