@@ -60,7 +60,7 @@ def test_verdict() -> None:
     assert verdict(3.0, None) == "-"
 
 
-def test_interleaved_timing_alternates_order_and_warms_up() -> None:
+def test_interleaved_timing_rotates_order_and_warms_up() -> None:
     calls: list[str] = []
     steps = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
     rounds: list[int] = []
@@ -70,6 +70,10 @@ def test_interleaved_timing_alternates_order_and_warms_up() -> None:
     assert calls == ["a", "b"] + ["a", "a", "b", "b"] + ["b", "a"]  # warm-up, round 0, round 1 reversed
     assert [len(times["a"]), len(times["b"])] == [3, 3]
     assert rounds == [0, 1]
+    calls.clear()
+    three = {name: (lambda n=name: calls.append(n)) for name in "abc"}
+    interleaved_timing(three, timed_steps=3, warmup_steps=0, block=1)
+    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]  # each contender in each position once
 
 
 def test_models_have_the_documented_shape() -> None:

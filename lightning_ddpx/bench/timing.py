@@ -52,7 +52,7 @@ def interleaved_timing(
     for r in range(rounds):
         count = min(block, timed_steps - r * block)
         this_round: dict[str, list[float]] = {}
-        for name in names if r % 2 == 0 else reversed(names):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             step, hook = steps[name], (after_step or {}).get(name)
             samples = []
             for _ in range(count):
