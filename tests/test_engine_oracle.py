@@ -247,7 +247,9 @@ def train_torch_powersgd_many_buckets(rank: int, world_size: int) -> dict:
     """torch's PowerSGD chains allreduces from callbacks; on torch's DDP with several buckets it can abort
     with a gloo collective mismatch. Our sequenced launcher must keep one order on every rank."""
     torch.manual_seed(0)
-    model = lightning_ddpx.DistributedDataParallel(mlp(), **SMALL_BUCKETS)
+    # ~52 and ~262 floats: one bucket per layer of mlp() (weight and bias), 3 buckets
+    three_buckets = {"first_bucket_cap_mb": 0.0002, "bucket_cap_mb": 0.001}
+    model = lightning_ddpx.DistributedDataParallel(mlp(), **three_buckets)
     state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2)
     model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)

@@ -22,7 +22,10 @@ from lightning_ddpx.engine.optimizer_overlap import check_overlappable
 from tests.dist_utils import run_distributed
 from tests.oracle import rank_batch
 
-SMALL_BUCKETS = {"bucket_cap_mb": 0.004, "first_bucket_cap_mb": 0.001}  # ~1000 and ~250 floats
+SMALL_BUCKETS = {
+    "bucket_cap_mb": 0.001,
+    "first_bucket_cap_mb": 0.0002,
+}  # ~262 and ~52 floats: 3 buckets of mlp()
 STEPS = 6
 TOLERANCE = 1e-6
 
