@@ -114,3 +114,20 @@ def test_graph_walk_finds_only_reachable_parameters():
     assert len(list(iter_tensors(out))) == 3
     # lin_b's output is detached, so only lin_a's parameters and lin_c.weight (returned itself) are reachable.
     assert reachable_parameter_indices(out, index_of) == {0, 1, 4}
+
+
+def test_last_cap_splits_only_the_last_bucket_to_its_trailing_parameters():
+    """overlap_optimizer_with's plan: the last bucket keeps the fewest trailing parameters that reach
+    ``last_cap`` (its update is the one no communication can hide); the other buckets are torch's."""
+    numels = [3, 3, 3, 3, 3, 3]  # 12 bytes each; reversed order: 5 4 3 2 1 0
+    torch_like = [b.param_indices for b in plan(numels, first=16, cap=40)]
+    assert torch_like == [(5, 4), (3, 2, 1, 0)]
+    split = plan_buckets(numels, [F32] * 6, [CPU] * 6, [5, 4, 3, 2, 1, 0], 16, 40, last_cap_bytes=16)
+    assert [b.param_indices for b in split] == [(5, 4), (3, 2), (1, 0)]
+    alone = plan_buckets([3, 100], [F32] * 2, [CPU] * 2, [1, 0], 16, 1000, last_cap_bytes=16)
+    assert [b.param_indices for b in alone] == [
+        (1,),
+        (0,),
+    ]  # the first bucket closed at once; nothing to split
+    one = plan_buckets([3], [F32], [CPU], [0], 16, 40, last_cap_bytes=4)
+    assert [b.param_indices for b in one] == [(0,)]

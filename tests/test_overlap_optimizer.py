@@ -295,3 +295,40 @@ def test_check_overlappable_accepts_torch_per_parameter_optimizers() -> None:
         check_overlappable(cls(params, lr=0.1), params, ["w"])
     with pytest.raises(TypeError, match="needs a torch.optim.Optimizer"):
         check_overlappable(object(), params, ["w"])
+
+
+def plans_with_overlap(rank: int, world_size: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    # first bucket ~52 floats: mlp()'s last layer; then one bucket for the rest (torch's layout)
+    model = lightning_ddpx.DistributedDataParallel(mlp(), first_bucket_cap_mb=0.0002, bucket_cap_mb=100.0)
+    names = lambda: [list(b.parameter_names) for b in model.bucket_plan()]  # noqa: E731
+    before = names()
+    model.overlap_optimizer_with(sgd(model.parameters()))
+    with_overlap = names()
+    model.overlap_optimizer_with(None)
+    after = names()
+    # one rank overlapping, the other not: the buckets differ, so the first forward must refuse by name
+    mismatched = lightning_ddpx.DistributedDataParallel(mlp())
+    if rank == 0:
+        mismatched.overlap_optimizer_with(sgd(mismatched.parameters()))
+    try:
+        mismatched(rank_batch(rank, 0, (8, 16)))
+        error = None
+    except ValueError as caught:
+        error = str(caught)
+    return {"before": before, "with_overlap": with_overlap, "after": after, "error": error}
+
+
+def test_the_overlap_keeps_its_last_bucket_small_and_every_rank_must_agree() -> None:
+    """The last bucket's update is the one no communication can hide, so with the overlap the planner
+    splits that bucket down to its trailing parameters (the first bucket's cap); switching the overlap off
+    restores torch's layout. The layout then depends on the option, so the settings check compares it."""
+    for rank, result in enumerate(run_distributed(plans_with_overlap, 2, timeout=120)):
+        assert result["before"] == [["4.bias", "4.weight"], ["2.bias", "2.weight", "0.bias", "0.weight"]]
+        assert result["with_overlap"] == [
+            ["4.bias", "4.weight"],
+            ["2.bias", "2.weight", "0.bias"],
+            ["0.weight"],
+        ]
+        assert result["after"] == result["before"]
+        assert result["error"] is not None and "overlap_optimizer" in result["error"], (rank, result["error"])

@@ -231,6 +231,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         settings["comm_hook"] = (
             _qualified_name(self.reducer.hook) if self._hook_registered else "None (mean allreduce)"
         )
+        settings["overlap_optimizer"] = repr(self.reducer.overlap is not None)  # it changes the bucket plan
         if self._hook_registered:
             settings.update(_hook_state_settings(self.reducer.hook_state))
         return settings
@@ -365,6 +366,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self.reducer.overlap is not None:
             self.reducer.overlap.close()
         self.reducer.overlap = None if optimizer is None else OptimizerOverlap(optimizer, self.reducer)
+        # The last bucket's update is the one the overlap cannot hide: keep that bucket small.
+        self.reducer.set_small_last_bucket(optimizer is not None)
 
     @property
     def overlapped_optimizer(self) -> torch.optim.Optimizer | None:

@@ -120,6 +120,8 @@ class Reducer:
         self._launcher: InlineLauncher | SequencedLauncher = InlineLauncher()
         # overlap_optimizer_with: writes back and steps bucket by bucket in _finalize (engine.optimizer_overlap)
         self.overlap: Any = None
+        # Split the last bucket down to the first bucket's cap (set with the overlap: see plan_buckets).
+        self.small_last_bucket = False
 
         self.phase = Phase.IDLE
         self.iterations_synced = 0  # completed synchronised backwards
@@ -150,7 +152,7 @@ class Reducer:
         numels = [p.numel() for p in self.params]
         specs = plan_buckets(
             numels, [p.dtype for p in self.params], [p.device for p in self.params], order,
-            self.first_cap_bytes, self.cap_bytes,
+            self.first_cap_bytes, self.cap_bytes, self.first_cap_bytes if self.small_last_bucket else None,
         )  # fmt: skip
         self.buckets = [_Bucket(spec, self.params, self.names) for spec in specs]
         self._bucket_of = [0] * len(self.params)
@@ -729,6 +731,14 @@ class Reducer:
         self._handles = []
         self._launcher.close()
         self.progress.close()
+
+    def set_small_last_bucket(self, small: bool) -> None:
+        """Plan the last bucket small (or not) from now on; re-plans at once along the current buffer order
+        (between iterations only), since a rebuild may never come again."""
+        if small == self.small_last_bucket:
+            return
+        self.small_last_bucket = small
+        self._install_plan([i for bucket in self.buckets for i in bucket.spec.param_indices])
 
     def order_state(self) -> dict[str, Any]:
         """The bucket layout as plain values: parameter names in buffer order, and whether it was rebuilt."""
