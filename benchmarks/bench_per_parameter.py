@@ -31,6 +31,7 @@ from torch import nn  # noqa: E402
 from benchmarks.common import free_port  # noqa: E402
 from lightning_ddpx import DistributedDataParallel  # noqa: E402
 from lightning_ddpx.bench.models import MODELS, build_model  # noqa: E402
+from lightning_ddpx.bench.timing import rotated  # noqa: E402
 
 CONTENDERS = ("plain", "torch", "ours")
 
@@ -64,8 +65,7 @@ def measure(name: str, bucket_view: bool, rounds: int, block: int) -> dict[str, 
             step()
     times: dict[str, list[float]] = {k: [] for k in CONTENDERS}
     for r in range(rounds):
-        # rotated (each contender in each position equally often): see lightning_ddpx.bench.timing
-        for k in CONTENDERS[r % 3 :] + CONTENDERS[: r % 3]:
+        for k in rotated(CONTENDERS, r):  # each contender in each position equally often
             for _ in range(block):
                 started = time.thread_time()
                 steps[k]()

@@ -22,6 +22,7 @@ from benchmarks.common import (
     summarize_pair,
     verdict,
 )
+from lightning_ddpx.bench.timing import rotated
 from tests.dist_utils import run_job
 
 
@@ -74,6 +75,7 @@ def test_interleaved_timing_rotates_order_and_warms_up() -> None:
     three = {name: (lambda n=name: calls.append(n)) for name in "abc"}
     interleaved_timing(three, timed_steps=3, warmup_steps=0, block=1)
     assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]  # each contender in each position once
+    assert rotated(("plain", "torch", "ours"), 4) == ["torch", "ours", "plain"]  # bench_per_parameter's order
 
 
 def test_models_have_the_documented_shape() -> None:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PairSummary", "format_table", "interleaved_timing", "percentile", "summarize_pair"]
+__all__ = ["PairSummary", "format_table", "interleaved_timing", "percentile", "rotated", "summarize_pair"]
 
 
 def interleaved_timing(
@@ -52,7 +52,7 @@ def interleaved_timing(
     for r in range(rounds):
         count = min(block, timed_steps - r * block)
         this_round: dict[str, list[float]] = {}
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+        for name in rotated(names, r):
             step, hook = steps[name], (after_step or {}).get(name)
             samples = []
             for _ in range(count):
@@ -66,6 +66,13 @@ def interleaved_timing(
         if on_block is not None:
             on_block(r, rounds, {name: this_round[name] for name in names})
     return times
+
+
+def rotated(names: Sequence[str], round_index: int) -> list[str]:
+    """``names`` in round ``round_index``'s order: rotated by one per round (A B C, B C A, C A B, ...), so every
+    contender takes every position equally often (see :func:`interleaved_timing`)."""
+    shift = round_index % len(names)
+    return [*names[shift:], *names[:shift]]
 
 
 def percentile(values: Sequence[float], q: float) -> float:
