@@ -19,32 +19,19 @@ import statistics
 import sys
 import time
 from datetime import timedelta
-from typing import Callable
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` and `lightning_ddpx` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
 
-from benchmarks.common import free_port  # noqa: E402
+from benchmarks.common import free_port, make_train_step  # noqa: E402
 from lightning_ddpx import DistributedDataParallel  # noqa: E402
 from lightning_ddpx.bench.models import MODELS, build_model  # noqa: E402
 from lightning_ddpx.bench.timing import rotated  # noqa: E402
 
 CONTENDERS = ("plain", "torch", "ours")
-
-
-def _train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-    def step() -> None:
-        optimizer.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
-
-    return step
 
 
 def measure(name: str, bucket_view: bool, rounds: int, block: int) -> dict[str, float]:
@@ -59,7 +46,9 @@ def measure(name: str, bucket_view: bool, rounds: int, block: int) -> dict[str, 
         ),
         "ours": DistributedDataParallel(build_model(name), gradient_as_bucket_view=bucket_view),
     }
-    steps = {k: _train_step(m, x, y) for k, m in models.items()}
+    steps = {
+        k: make_train_step(m, torch.optim.SGD(m.parameters(), lr=1e-3), (x, y)) for k, m in models.items()
+    }
     for _ in range(5):  # warm-up: bucket rebuild, allocator
         for step in steps.values():
             step()

@@ -38,6 +38,7 @@ from benchmarks.common import (  # noqa: E402
     format_table,
     interleaved_timing,
     launch,
+    make_train_step,
     summarize_pair,
 )
 
@@ -72,17 +73,10 @@ def run_rank(rank: int, world_size: int, layers: int, steps: int, warmup: int, b
         wrapper = DistributedDataParallel if name.startswith("ours") else nn.parallel.DistributedDataParallel
         models[name] = wrapper(module, **kwargs)
 
-    def make_step(model: nn.Module) -> Any:
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-        def step() -> None:
-            optimizer.zero_grad()
-            nn.functional.mse_loss(model(inputs), target).backward()
-            optimizer.step()
-
-        return step
-
-    steps_of = {name: make_step(model) for name, model in models.items()}
+    steps_of = {
+        name: make_train_step(model, torch.optim.SGD(model.parameters(), lr=1e-3), (inputs, target))
+        for name, model in models.items()
+    }
     gc.collect()
     times = interleaved_timing(steps_of, steps, warmup, block)
 
