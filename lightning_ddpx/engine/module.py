@@ -365,9 +365,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             )
         if self.reducer.overlap is not None:
             self.reducer.overlap.close()
-        self.reducer.overlap = None if optimizer is None else OptimizerOverlap(optimizer, self.reducer)
-        # The last bucket's update is the one the overlap cannot hide: keep that bucket small.
-        self.reducer.set_small_last_bucket(optimizer is not None)
+        self.reducer.set_overlap(None if optimizer is None else OptimizerOverlap(optimizer, self.reducer))
 
     @property
     def overlapped_optimizer(self) -> torch.optim.Optimizer | None:

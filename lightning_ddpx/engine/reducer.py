@@ -119,9 +119,7 @@ class Reducer:
         self._scale_on_copy: float | None = 1.0 / self.world_size  # only for the default hook
         self._launcher: InlineLauncher | SequencedLauncher = InlineLauncher()
         # overlap_optimizer_with: writes back and steps bucket by bucket in _finalize (engine.optimizer_overlap)
-        self.overlap: Any = None
-        # Split the last bucket down to the first bucket's cap (set with the overlap: see plan_buckets).
-        self.small_last_bucket = False
+        self.overlap: Any = None  # set through set_overlap: the bucket plan depends on it
 
         self.phase = Phase.IDLE
         self.iterations_synced = 0  # completed synchronised backwards
@@ -152,7 +150,9 @@ class Reducer:
         numels = [p.numel() for p in self.params]
         specs = plan_buckets(
             numels, [p.dtype for p in self.params], [p.device for p in self.params], order,
-            self.first_cap_bytes, self.cap_bytes, self.first_cap_bytes if self.small_last_bucket else None,
+            self.first_cap_bytes, self.cap_bytes,
+            # the overlap cannot hide the last bucket's update: keep that bucket small (plan_buckets)
+            self.first_cap_bytes if self.overlap is not None else None,
         )  # fmt: skip
         self.buckets = [_Bucket(spec, self.params, self.names) for spec in specs]
         self._bucket_of = [0] * len(self.params)
@@ -732,13 +732,14 @@ class Reducer:
         self._launcher.close()
         self.progress.close()
 
-    def set_small_last_bucket(self, small: bool) -> None:
-        """Plan the last bucket small (or not) from now on; re-plans at once along the current buffer order
-        (between iterations only), since a rebuild may never come again."""
-        if small == self.small_last_bucket:
-            return
-        self.small_last_bucket = small
-        self._install_plan([i for bucket in self.buckets for i in bucket.spec.param_indices])
+    def set_overlap(self, overlap: Any) -> None:
+        """Step the optimizer through ``overlap`` at the end of backward (``None``: the plain step). Switching
+        between the two re-plans at once along the current buffer order (between iterations only; a rebuild
+        may never come again), since with the overlap the last bucket is planned small."""
+        replan = (overlap is None) != (self.overlap is None)
+        self.overlap = overlap
+        if replan:
+            self._install_plan([i for bucket in self.buckets for i in bucket.spec.param_indices])
 
     def order_state(self) -> dict[str, Any]:
         """The bucket layout as plain values: parameter names in buffer order, and whether it was rebuilt."""
