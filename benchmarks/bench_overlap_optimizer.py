@@ -11,11 +11,16 @@ together mean something):
 - ``torch``: torch's DDP, then ``AdamW.step()`` after backward (the baseline);
 - ``ours``: our module, the same plain ``AdamW.step()`` after backward;
 - ``overlap``: our module with ``model.overlap_optimizer_with(adamw)``: each bucket's parameters step as
-  soon as the bucket is reduced, while later buckets still communicate; no ``step()`` after backward.
+  soon as the bucket is reduced, while later buckets still communicate; no ``step()`` after backward. Its
+  last bucket is reduced in chunks and its large parameter updated slice by slice as they arrive
+  (``lightning_ddpx.engine.piecewise_step``);
+- ``overlap_whole`` (with ``--compare-whole-last-bucket``): the same, with the last bucket reduced in one
+  collective and updated after it, as before the chunks: what the chunks gain, measured in the same run.
 
 A step is zero_grad, forward, MSE loss, backward (and the step). Reported: the median and p25/p75 of
 same-round ratios ours/torch and overlap/torch, the optimizer's share of a step (``AdamW.step()`` timed
-alone), and the largest parameter difference between overlap and torch after the run (same steps, same
+alone), the update the overlap left exposed (write-back and update after the last reduction arrived,
+median), and the largest parameter difference between overlap and torch after the run (same steps, same
 data: it must be ~1e-6 or less). With ``--link`` each rank runs in its own network namespace joined by a
 veth pair shaped with tc (``lightning_ddpx.bench.netns``; needs root). Run from the repository root.
 """
@@ -62,21 +67,23 @@ def _adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
 
 
 def run_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
-    """One rank: three wrapped copies of the model, timed interleaved; then the optimizer alone."""
+    """One rank: a wrapped copy of the model per contender, timed interleaved; then the optimizer alone."""
     from lightning_ddpx import DistributedDataParallel as OursDDP
 
     inputs, target = make_batch(config["model"], rank, config["seed"])
-    wrapped = {
-        "torch": nn.parallel.DistributedDataParallel(build_model(config["model"], config["seed"])),
-        "ours": OursDDP(build_model(config["model"], config["seed"])),
-        "overlap": OursDDP(build_model(config["model"], config["seed"])),
-    }
+    contenders = CONTENDERS + (("overlap_whole",) if config["compare_whole"] else ())
+    wrapped = {"torch": nn.parallel.DistributedDataParallel(build_model(config["model"], config["seed"]))}
+    for name in contenders[1:]:
+        wrapped[name] = OursDDP(build_model(config["model"], config["seed"]))
     optimizers = {name: _adamw(model, config["lr"]) for name, model in wrapped.items()}
-    wrapped["overlap"].overlap_optimizer_with(optimizers["overlap"])
+    for name in contenders[2:]:
+        wrapped[name].overlap_optimizer_with(optimizers[name])
+    if config["compare_whole"]:
+        wrapped["overlap_whole"].reducer.chunk_last_bucket = False
 
     def make_step(name: str) -> Any:
         model, optimizer = wrapped[name], optimizers[name]
-        plain = name != "overlap"
+        plain = name in ("torch", "ours")
 
         def step() -> None:
             optimizer.zero_grad()
@@ -86,15 +93,21 @@ def run_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
 
         return step
 
-    inside: list[float] = []  # overlap: seconds of bucket steps inside each backward
-    overlap = wrapped["overlap"].reducer.overlap
+    # per overlapped contender: (seconds of bucket steps inside backward, seconds exposed after the last
+    # reduction arrived) of each timed step
+    inside: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders[2:]}
+
+    def record(name: str) -> Any:
+        overlap = wrapped[name].reducer.overlap
+        return lambda: inside[name].append((overlap.last_optimizer_s, overlap.last_exposed_update_s))
+
     gc.collect()
     times = interleaved_timing(
-        {name: make_step(name) for name in CONTENDERS},
+        {name: make_step(name) for name in contenders},
         config["steps"],
         config["warmup"],
         config["block"],
-        after_step={"overlap": lambda: inside.append(overlap.last_optimizer_s)},
+        after_step={name: record(name) for name in contenders[2:]},
     )
     diff = max_param_diff(wrapped["overlap"].module, wrapped["torch"].module)
     plain_diff = max_param_diff(wrapped["ours"].module, wrapped["torch"].module)
@@ -104,19 +117,27 @@ def run_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
         started = time.perf_counter()
         optimizers["torch"].step()
         optimizer_s.append(time.perf_counter() - started)
-    for name in ("ours", "overlap"):
+    for name in contenders[1:]:
         wrapped[name].close()
     optimizer_s.sort()
-    inside.sort()
     return {
         "times_s": times,
         "max_diff_overlap_vs_torch": diff,
         "max_diff_ours_vs_torch": plain_diff,
         "optimizer_alone_ms": 1e3 * optimizer_s[len(optimizer_s) // 2],
-        "optimizer_inside_backward_ms": 1e3 * inside[len(inside) // 2],
+        "optimizer_inside_backward_ms": {
+            name: 1e3 * _median([s for s, _ in v]) for name, v in inside.items()
+        },
+        "exposed_update_ms": {name: 1e3 * _median([s for _, s in v]) for name, v in inside.items()},
+        "last_bucket_chunks": wrapped["overlap"].reducer.last_bucket_collectives,
         "buckets": len(wrapped["overlap"].bucket_plan()),
         "parameters": parameter_summary(wrapped["torch"].module),
     }
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else float("nan")
 
 
 def worker_main(config_path: str, rank: int) -> None:
@@ -151,35 +172,53 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument(
+        "--compare-whole-last-bucket", action="store_true",
+        help="a fourth contender: the overlap with its last bucket reduced in one collective (not in chunks)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     link = args.link or "loopback"
     rows, results = [], {"environment": environment_info(), "config": vars(args), "models": {}}
     for name in args.models:
         config = {"world_size": 2, "model": name, "steps": args.steps, "warmup": args.warmup,
-                  "block": args.block, "lr": args.lr, "seed": args.seed}  # fmt: skip
+                  "block": args.block, "lr": args.lr, "seed": args.seed,
+                  "compare_whole": args.compare_whole_last_bucket}  # fmt: skip
         print(f"{name} over {link}: {args.steps} timed steps per contender ...", flush=True)
         rank0 = run_ranks(config, args.link, args.timeout, worker=WORKER)[0]
         times = rank0["times_s"]
         plain = summarize_pair(times["torch"], times["ours"])
         overlap = summarize_pair(times["torch"], times["overlap"])
         share = rank0["optimizer_alone_ms"] / plain.baseline_ms
+        exposed = rank0["exposed_update_ms"]
+        whole = summarize_pair(times["torch"], times["overlap_whole"]) if "overlap_whole" in times else None
+        if whole is not None:
+            print(
+                f"  overlap with the last bucket whole: overlap_whole/torch {whole.ratio:.3f} "
+                f"({whole.ratio_p25:.3f}-{whole.ratio_p75:.3f}), exposed update "
+                f"{exposed['overlap_whole']:.1f} ms; in {rank0['last_bucket_chunks']} chunks: "
+                f"{overlap.ratio:.3f}, exposed {exposed['overlap']:.1f} ms",
+                flush=True,
+            )
         target = TARGET.get(name) if args.link else None
         rows.append([
             name, link, str(rank0["buckets"]), f"{plain.baseline_ms:.1f}", f"{plain.candidate_ms:.1f}",
             f"{overlap.candidate_ms:.1f}", f"{plain.ratio:.3f} ({plain.ratio_p25:.3f}-{plain.ratio_p75:.3f})",
             f"{overlap.ratio:.3f} ({overlap.ratio_p25:.3f}-{overlap.ratio_p75:.3f})",
-            f"{rank0['optimizer_alone_ms']:.1f} ({100 * share:.0f}%)", f"{rank0['max_diff_overlap_vs_torch']:.1e}",
+            f"{rank0['optimizer_alone_ms']:.1f} ({100 * share:.0f}%)", f"{exposed['overlap']:.1f}",
+            f"{rank0['max_diff_overlap_vs_torch']:.1e}",
             verdict(overlap.ratio, target),
         ])  # fmt: skip
         results["models"][name] = {
             "link": link,
             "ours_vs_torch": asdict(plain),
             "overlap_vs_torch": asdict(overlap),
+            **({"overlap_whole_vs_torch": asdict(whole)} if whole is not None else {}),
             **{k: v for k, v in rank0.items() if k != "times_s"},
             "times_s": times,
         }
     header = ["model", "link", "buckets", "torch ms", "ours ms", "overlap ms", "ours/torch (p25-p75)",
-              "overlap/torch (p25-p75)", "AdamW alone ms (share)", "max |diff|", "target"]  # fmt: skip
+              "overlap/torch (p25-p75)", "AdamW alone ms (share)", "exposed update ms", "max |diff|",
+              "target"]  # fmt: skip
     print(format_table(header, rows))
     if args.json:
         with open(args.json, "w") as handle:

@@ -131,3 +131,21 @@ def test_last_cap_splits_only_the_last_bucket_to_its_trailing_parameters():
     ]  # the first bucket closed at once; nothing to split
     one = plan_buckets([3], [F32], [CPU], [0], 16, 40, last_cap_bytes=4)
     assert [b.param_indices for b in one] == [(0,)]
+
+
+# ------------------------------------------------------------------------------------- chunk_ranges
+def test_chunk_ranges_cut_large_parameters_from_their_own_start() -> None:
+    from lightning_ddpx.engine.bucketing import CHUNK_ALIGN_ELEMENTS, chunk_ranges
+
+    # two small parameters, one large (starting at 20, not aligned), one small after it
+    offsets, numels = [0, 10, 20, 3000], [10, 10, 2980, 5000]
+    ranges = chunk_ranges(offsets, numels, 2000)
+    assert ranges == [(0, 20), (20, 2068), (2068, 3000), (3000, 5048), (5048, 7096), (7096, 8000)]
+    assert [start for start, _ in ranges[1:]] == [end for _, end in ranges[:-1]], "contiguous"
+    for offset, numel in zip(offsets, numels):  # every cut inside a parameter is aligned to its start
+        inside = [end - offset for _, end in ranges if offset < end < offset + numel]
+        assert all(cut % CHUNK_ALIGN_ELEMENTS == 0 for cut in inside)
+    assert chunk_ranges([0], [4096], 4096) == [(0, 4096)]
+    assert chunk_ranges([0, 100], [100, 100], 50) == [(0, 100), (100, 200)]
+    with pytest.raises(ValueError, match="chunk_numel"):
+        chunk_ranges([0], [10], 0)

@@ -26,6 +26,9 @@ SMALL_BUCKETS = {
     "bucket_cap_mb": 0.001,
     "first_bucket_cap_mb": 0.0002,
 }  # ~262 and ~52 floats: 3 buckets of mlp()
+# The overlap's last bucket becomes [fc1.weight, scale] of ScaledInput, reduced in 5 chunks of <= 3072
+# elements (the first cap's 2621 floats, rounded up to 1024): fc1.weight is cut in 4 slices, scale is whole.
+CHUNKED_BUCKETS = {"first_bucket_cap_mb": 0.01, "bucket_cap_mb": 1.0}
 STEPS = 6
 TOLERANCE = 1e-6
 
@@ -47,6 +50,20 @@ class Branches(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.trunk(x))
         return self.a(h) if dist.get_rank() == 0 else self.b(h)
+
+
+class ScaledInput(nn.Module):
+    """A small first parameter and a large first layer: the last bucket mixes a cut and a whole parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(16))
+        self.fc1 = nn.Linear(16, 640)
+        self.fc2 = nn.Linear(640, 32)
+        self.fc3 = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(torch.tanh(self.fc2(torch.relu(self.fc1(x * self.scale)))))
 
 
 def loss_of(model: nn.Module, micro: int) -> torch.Tensor:
@@ -112,7 +129,7 @@ def side_by_side(
     ours.overlap_optimizer_with(opt_ours)
     schedulers = [scheduler(o) for o in (opt_ours, opt_theirs)] if scheduler else []
     start = [p.detach().clone() for p in ours.module.parameters()]
-    out: dict[str, Any] = {"param": 0.0, "state": 0.0, "moved_during_no_sync": 0.0, "buckets": 0}
+    out: dict[str, Any] = {"param": 0.0, "state": 0.0, "moved_during_no_sync": 0.0, "buckets": 0, "sliced": 0}
     micro = 0
     for step in range(STEPS):
         if step == reload_state_at:  # load_state_dict replaces the optimizer's state dict object
@@ -138,6 +155,9 @@ def side_by_side(
         out["param"] = max(out["param"], max_param_diff(ours, theirs))
         out["state"] = max(out["state"], max_state_diff(opt_ours, opt_theirs))
         out["buckets"] = max(out["buckets"], len(ours.bucket_plan()))
+        overlap = ours.reducer.overlap
+        out["sliced"] = max(out["sliced"], overlap.last_sliced_params if overlap is not None else 0)
+    out["chunked"] = ours.reducer.reduces_last_bucket_in_chunks
     out["moved"] = max((a - p).abs().max().item() for a, p in zip(start, ours.module.parameters()))
     out["lr"] = [g["lr"] for g in opt_ours.param_groups]
     out["has_state"] = len(opt_ours.state) > 0
@@ -214,6 +234,28 @@ SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     ),
     "static_graph": lambda: side_by_side(mlp, adamw_two_groups, {**SMALL_BUCKETS, "static_graph": True}),
     "state_reloaded": lambda: side_by_side(mlp, adamw_two_groups, SMALL_BUCKETS, reload_state_at=3),
+    # the last bucket reduced in chunks, its large parameter stepped slice by slice (engine.piecewise_step)
+    "chunked_sgd": lambda: side_by_side(ScaledInput, lambda m: sgd(m.parameters()), CHUNKED_BUCKETS),
+    "chunked_adamw_groups_scheduler": lambda: side_by_side(
+        ScaledInput, adamw_two_groups, CHUNKED_BUCKETS,
+        scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5),
+    ),
+    "chunked_as_bucket_view": lambda: side_by_side(
+        ScaledInput, adamw_two_groups, {**CHUNKED_BUCKETS, "gradient_as_bucket_view": True}
+    ),
+    "chunked_state_reloaded": lambda: side_by_side(
+        ScaledInput, adamw_two_groups, CHUNKED_BUCKETS, reload_state_at=3
+    ),
+    "chunked_accumulate_no_sync": lambda: side_by_side(
+        ScaledInput, lambda m: sgd(m.parameters()), CHUNKED_BUCKETS, accumulate=3
+    ),
+    "chunked_scale_not_optimized": lambda: side_by_side(
+        ScaledInput, lambda m: sgd(p for n, p in m.named_parameters() if n != "scale"), CHUNKED_BUCKETS
+    ),
+    # Adafactor's factored statistics are not elementwise: fc1.weight steps whole with its last chunk
+    "chunked_adafactor_whole": lambda: side_by_side(
+        ScaledInput, lambda m: torch.optim.Adafactor(m.parameters(), lr=1e-2), CHUNKED_BUCKETS
+    ),
 }  # fmt: skip
 
 
@@ -246,6 +288,14 @@ def test_same_parameters_and_state_as_torch_ddp(outcomes: list[dict[str, Any]], 
         assert result["state"] <= TOLERANCE, (
             f"rank {rank} {name}: optimizer state differs by {result['state']}"
         )
+        if name.startswith("chunked_"):
+            assert result["chunked"], f"rank {rank} {name}: the last bucket was not reduced in chunks"
+            expected = (
+                0 if name.endswith("_whole") else 1
+            )  # fc1.weight; its first step (no state yet) is whole
+            assert result["sliced"] == expected, f"rank {rank} {name}: {result['sliced']} parameter(s) sliced"
+        else:
+            assert not result["chunked"], f"rank {rank} {name}: the last bucket is too small to chunk"
 
 
 def test_no_step_inside_no_sync(outcomes: list[dict[str, Any]]) -> None:

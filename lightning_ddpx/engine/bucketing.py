@@ -12,7 +12,7 @@ from typing import Hashable, Sequence
 
 import torch
 
-__all__ = ["BucketInfo", "BucketSpec", "plan_buckets", "megabytes_to_bytes"]
+__all__ = ["BucketInfo", "BucketSpec", "chunk_ranges", "plan_buckets", "megabytes_to_bytes"]
 
 _MB = 1024 * 1024
 
@@ -108,6 +108,42 @@ def _split_tail(
         if size >= cap_bytes:
             break
     return [members[:start], members[start:]] if start > 0 else [members]
+
+
+# Cuts inside a parameter fall on multiples of this many elements from its start, so every piece but its
+# last covers whole vector blocks of the elementwise kernels and the last piece keeps the whole parameter's
+# tail: the piecewise update then computes each element exactly as the whole update does.
+CHUNK_ALIGN_ELEMENTS = 1024
+
+
+def chunk_ranges(offsets: Sequence[int], numels: Sequence[int], chunk_numel: int) -> list[tuple[int, int]]:
+    """Element ranges ``[start, end)`` that cover a bucket in order, each about ``chunk_numel`` long.
+
+    Used to reduce one bucket in several collectives whose results arrive one after another (the overlap's
+    last bucket). Small parameters are grouped whole; a parameter longer than ``chunk_numel`` starts a
+    range and is cut at multiples of ``chunk_numel`` (rounded up to :data:`CHUNK_ALIGN_ELEMENTS`) from its
+    own start. ``offsets``/``numels``: the bucket's parameters in buffer order (contiguous, from 0).
+    """
+    if chunk_numel <= 0:
+        raise ValueError(f"chunk_numel must be positive, got {chunk_numel}")
+    step = -(-chunk_numel // CHUNK_ALIGN_ELEMENTS) * CHUNK_ALIGN_ELEMENTS
+    cuts: list[int] = []
+    start = 0
+    for offset, numel in zip(offsets, numels):
+        end = offset + numel
+        if numel > step:
+            if offset > start:
+                cuts.append(offset)
+            cuts.extend(range(offset + step, end, step))
+            cuts.append(end)
+            start = end
+        elif end - start >= chunk_numel:
+            cuts.append(end)
+            start = end
+    total = offsets[-1] + numels[-1] if offsets else 0
+    if start < total:
+        cuts.append(total)
+    return list(zip([0, *cuts[:-1]], cuts))
 
 
 def _element_size(dtype: torch.dtype) -> int:

@@ -41,7 +41,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
+from lightning_ddpx._compat.torch import foreach_copy_
 from lightning_ddpx.engine.errors import waiting_for
+from lightning_ddpx.engine.piecewise_step import PiecewiseStep, steps_in_pieces
 from lightning_ddpx.engine.profiling import label
 
 if TYPE_CHECKING:
@@ -125,6 +127,11 @@ class OptimizerOverlap:
         self.optimizer = optimizer
         self.reducer = reducer
         self.last_optimizer_s = 0.0  # time spent in bucket steps in the last synchronised backward
+        # parameters of the last bucket updated slice by slice in the last synchronised backward
+        self.last_sliced_params = 0
+        # seconds of write-back and update left after the last reduction arrived: what the overlap could not hide
+        self.last_exposed_update_s = 0.0
+        self._last_arrival = 0.0
         self._plan_key: tuple[Any, ...] | None = None
         self._bucket_groups: list[list[tuple[int, list[torch.nn.Parameter]]]] = []
         self._guard = optimizer.register_step_pre_hook(self._refuse_second_step)
@@ -193,10 +200,17 @@ class OptimizerOverlap:
         locally_used, index_of = reducer._locally_used, reducer._index_of
         waited = stepping = 0.0
         deferred: list[tuple[int, torch.Tensor]] = []
+        last = len(reducer.buckets) - 1
+        self.last_sliced_params = 0
         for b in range(len(reducer.buckets)):
+            if b == last and reducer.reduces_last_bucket_in_chunks and not reducer._unused_in_bucket[b]:
+                chunk_waited, chunk_stepping = self._write_back_and_step_by_chunks(b, groups, plan[b])
+                waited, stepping = waited + chunk_waited, stepping + chunk_stepping
+                continue
             started = time.perf_counter()
             result = reducer._result_of(b)
-            waited += time.perf_counter() - started
+            self._last_arrival = time.perf_counter()
+            waited += self._last_arrival - started
             if globally_used is None or not reducer._unused_in_bucket[b]:
                 with torch.no_grad():  # every parameter of the bucket is known to be used somewhere
                     reducer._write_back_bucket(b, result, known_counts)
@@ -211,7 +225,8 @@ class OptimizerOverlap:
             started = time.perf_counter()
             with waiting_for("the used-parameter bitmap (find_unused_parameters)", reducer.process_group):
                 counts = globally_used.wait()[0].tolist()
-            waited += time.perf_counter() - started
+            self._last_arrival = time.perf_counter()
+            waited += self._last_arrival - started
             if reducer.static is not None:
                 reducer.static.record(counts)
             rest = [0 if locally_used[i] else count for i, count in enumerate(counts)]
@@ -222,9 +237,95 @@ class OptimizerOverlap:
                     view, groups, _subset(plan[b], lambda p: not locally_used[index_of[id(p)]])
                 )
         self.last_optimizer_s = stepping
+        self.last_exposed_update_s = time.perf_counter() - self._last_arrival
         if hasattr(self.optimizer.step, "_wrapped_by_lr_sched"):
             self.optimizer._opt_called = True  # type: ignore[attr-defined]  # an LR scheduler's "step ran" mark
         return waited
+
+    def _write_back_and_step_by_chunks(
+        self, b: int, groups: list[dict[str, Any]], members: list[tuple[int, list[torch.nn.Parameter]]]
+    ) -> tuple[float, float]:
+        """The last bucket, reduced in chunks (every parameter used on this rank): as each chunk arrives,
+        write its gradients back and update what it completes -- whole parameters inside it, and its slice
+        of a parameter cut across chunks (:mod:`lightning_ddpx.engine.piecewise_step`; a parameter that does
+        not qualify steps whole once its last slice is written). Returns (seconds waited, seconds stepping)."""
+        reducer, bucket = self.reducer, self.reducer.buckets[b]
+        group_of = {id(p): g for g, params in members for p in params}
+        spans = [(offset, offset + p.numel()) for offset, p in zip(bucket.spec.offsets, bucket.params)]
+        pieces: dict[int, PiecewiseStep | None] = {}  # position in the bucket -> its piecewise update
+        write_back = not reducer.gradient_as_bucket_view
+        waited = stepping = 0.0
+        first = 0  # the first parameter (position) not yet complete
+        for start, end, waited_s in reducer.reduced_chunks_of_last():
+            waited += waited_s
+            started = self._last_arrival = time.perf_counter()
+            whole: dict[int, list[torch.nn.Parameter]] = {}
+            grads, views = [], []
+            position = first
+            while position < len(spans) and spans[position][0] < end:
+                offset, stop = spans[position]
+                param, view = bucket.params[position], bucket.views[position]
+                lo, hi = max(start, offset) - offset, min(end, stop) - offset
+                complete = stop <= end
+                g = group_of.get(id(param))
+                with torch.no_grad():
+                    if lo == 0 and complete:  # the whole parameter is in this chunk
+                        if write_back:
+                            grads.append(param.grad)
+                            views.append(view)
+                        if g is not None:
+                            whole.setdefault(g, []).append(param)
+                    else:
+                        self._write_and_step_slice(position, param, view, g, groups, lo, hi, complete,
+                                                   write_back, pieces, whole)  # fmt: skip
+                if not complete:
+                    break
+                position += 1
+            first = position
+            if grads:
+                with torch.no_grad():
+                    foreach_copy_(grads, views)
+            stepping += time.perf_counter() - started
+            stepping += self._step(self._view(), groups, sorted(whole.items()))
+        return waited, stepping
+
+    def _write_and_step_slice(
+        self,
+        position: int,
+        param: torch.nn.Parameter,
+        view: torch.Tensor,
+        g: int | None,
+        groups: list[dict[str, Any]],
+        lo: int,
+        hi: int,
+        complete: bool,
+        write_back: bool,
+        pieces: dict[int, PiecewiseStep | None],
+        whole: dict[int, list[torch.nn.Parameter]],
+    ) -> None:
+        """Elements ``lo:hi`` of a parameter cut across chunks: written back, then stepped as a slice when
+        it qualifies; otherwise the whole parameter steps with the chunk that completes it."""
+        grad = param.grad
+        if write_back:
+            if grad is not None and grad.is_contiguous():
+                grad.view(-1)[lo:hi].copy_(view.view(-1)[lo:hi])
+            elif complete and grad is not None:
+                grad.copy_(view)  # a strided gradient: written whole with its last slice
+        if g is None:
+            return
+        if position not in pieces:  # its first slice: decide once per step
+            qualifies = grad is not None and grad.is_contiguous() and steps_in_pieces(self.optimizer, param)
+            state = self.optimizer.state.get(param) if qualifies else None
+            pieces[position] = PiecewiseStep(self._view, groups[g], param, state) if state else None
+        piecewise = pieces[position]
+        if piecewise is not None:
+            with label("lightning_ddpx::overlap_optimizer_step_slice"):
+                piecewise.step(lo, hi)
+            if complete:
+                piecewise.finish()
+                self.last_sliced_params += 1
+        elif complete:
+            whole.setdefault(g, []).append(param)
 
     @staticmethod
     def _step(

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from lightning_ddpx._compat.torch import foreach_copy_, queue_backward_callback
 from lightning_ddpx.engine.backward_start import attach_backward_start
-from lightning_ddpx.engine.bucketing import BucketInfo, BucketSpec, plan_buckets
+from lightning_ddpx.engine.bucketing import BucketInfo, BucketSpec, chunk_ranges, plan_buckets
 from lightning_ddpx.engine.comm_stats import CommStatsWindow, StepCommStats
 from lightning_ddpx.engine.cuda_streams import current_stream, on_stream, wait_streams
 from lightning_ddpx.engine.diagnosis import ProgressBoard, check_same_sequence, dtype_code
@@ -120,6 +120,8 @@ class Reducer:
         self._launcher: InlineLauncher | SequencedLauncher = InlineLauncher()
         # overlap_optimizer_with: writes back and steps bucket by bucket in _finalize (engine.optimizer_overlap)
         self.overlap: Any = None  # set through set_overlap: the bucket plan depends on it
+        # With the overlap, reduce the last bucket in chunks (off only to measure what that gains)
+        self.chunk_last_bucket = True
 
         self.phase = Phase.IDLE
         self.iterations_synced = 0  # completed synchronised backwards
@@ -155,6 +157,7 @@ class Reducer:
             self.first_cap_bytes if self.overlap is not None else None,
         )  # fmt: skip
         self.buckets = [_Bucket(spec, self.params, self.names) for spec in specs]
+        self._last_bucket_chunks = self._plan_last_bucket_chunks()
         self._bucket_of = [0] * len(self.params)
         self._position_of = [0] * len(self.params)
         for b, bucket in enumerate(self.buckets):
@@ -165,6 +168,18 @@ class Reducer:
             self._alias_grads_to_buckets()
         self.plan_history.append((self.iterations_synced, self.bucket_infos()))
         self._reset_iteration()
+
+    def _plan_last_bucket_chunks(self) -> list[tuple[int, int]] | None:
+        """With the overlap, on the CPU: the element ranges in which the default path reduces the last
+        bucket, one collective each, so that its update can start before all of it is reduced (see
+        :mod:`lightning_ddpx.engine.piecewise_step`); ``None`` to reduce it in one piece."""
+        if self.overlap is None or self._on_cuda or not self.buckets:
+            return None  # CUDA: not measured (no GPU here), so not enabled
+        spec = self.buckets[-1].spec
+        chunk_numel = max(1, self.first_cap_bytes // torch.empty((), dtype=spec.dtype).element_size())
+        numels = [self.params[i].numel() for i in spec.param_indices]
+        ranges = chunk_ranges(spec.offsets, numels, chunk_numel)
+        return ranges if len(ranges) > 1 else None
 
     @torch.no_grad()
     def _alias_grads_to_buckets(self) -> None:
@@ -190,6 +205,8 @@ class Reducer:
         self._locally_used = bytearray(len(self.params))
         self._next_launch = 0
         self._futures: list[torch.futures.Future | None] = [None] * count
+        # (start, end, future) of each collective when the last bucket is reduced in chunks
+        self._last_bucket_reductions: list[tuple[int, int, torch.futures.Future]] = []
         self._launch_streams: list[Any] = [None] * count  # CUDA: the stream each bucket was filled on
         # Statistics of this iteration; the lists are appended to from the hooks' threads (atomic).
         self._bytes_to_hook = 0
@@ -455,7 +472,12 @@ class Reducer:
                 "bucket {} of {} ({}) in iteration {}", b, len(self.buckets), self._hook_name,
                 self.iterations_synced + 1,
             )  # fmt: skip
-            call = on_stream(stream, self._hook_call(grad_bucket, bucket.nbytes))  # also on the comm thread
+            hook = self.hook
+            if b == len(self.buckets) - 1 and self.reduces_last_bucket_in_chunks:
+                hook = self._sum_allreduce_in_chunks
+            call = on_stream(
+                stream, self._hook_call(hook, grad_bucket, bucket.nbytes)
+            )  # also on the comm thread
             if self.progress.debug:
                 call = self._checked(call, b, (self._forwards_armed, self._reductions + 1))
             self._futures[b] = self._launcher.submit(call)
@@ -499,9 +521,56 @@ class Reducer:
                     torch.mul(param.grad, scale, out=view)
         wait_streams(stream, producers)
 
-    def _hook_call(self, grad_bucket: GradBucket, nbytes: int) -> Callable[[], torch.futures.Future]:
+    @property
+    def reduces_last_bucket_in_chunks(self) -> bool:
+        """Whether the last bucket goes out as several collectives (the overlap, the default path, CPU)."""
+        return (
+            self._last_bucket_chunks is not None
+            and self.chunk_last_bucket
+            and self.hook is _sum_allreduce_hook
+        )
+
+    @property
+    def last_bucket_collectives(self) -> int:
+        """How many collectives reduce the last bucket (1 unless :attr:`reduces_last_bucket_in_chunks`)."""
+        return len(self._last_bucket_chunks or ()) if self.reduces_last_bucket_in_chunks else 1
+
+    def _sum_allreduce_in_chunks(
+        self, process_group: dist.ProcessGroup, bucket: GradBucket
+    ) -> torch.futures.Future:
+        """The default path's hook for the last bucket under the overlap: one sum-allreduce per chunk, all
+        issued now (gloo runs them in order), each chunk's future kept for :meth:`reduced_chunks_of_last`."""
+        buffer = bucket.buffer()
+        record_bytes_sent(bucket, payload_bytes(buffer))
+        assert self._last_bucket_chunks is not None
+        self._last_bucket_reductions = [
+            (start, end, dist.all_reduce(buffer[start:end], group=process_group, async_op=True).get_future())
+            for start, end in self._last_bucket_chunks
+        ]
+        return torch.futures.collect_all([future for _, _, future in self._last_bucket_reductions]).then(
+            lambda _: buffer
+        )
+
+    def reduced_chunks_of_last(self) -> Any:
+        """Yield ``(start, end, seconds waited)`` for each chunk of the last bucket as its reduction
+        completes, in order (only when it was launched in chunks: :attr:`reduces_last_bucket_in_chunks`)."""
+        b = len(self.buckets) - 1
+        for start, end, future in self._last_bucket_reductions:
+            started = time.perf_counter()
+            what = lambda start=start, end=end: (  # noqa: E731 - built only if the wait fails
+                f"elements {start}:{end} of bucket {b} (parameters {self._bucket_names(b)}) of iteration "
+                f"{self.iterations_synced + 1} to be reduced"
+            )
+            with waiting_for(what, self.process_group):
+                future.wait()
+            yield start, end, time.perf_counter() - started
+        self._result_of(b)  # completed by now: its checks, and the stream order on CUDA
+
+    def _hook_call(
+        self, hook: CommHook, grad_bucket: GradBucket, nbytes: int
+    ) -> Callable[[], torch.futures.Future]:
         """The hook's call on one bucket, timed into this iteration's statistics when they are kept."""
-        hook, state = self.hook, self.hook_state
+        state = self.hook_state
         if not self.collect_stats:
             return lambda: hook(state, grad_bucket)
         self._bytes_to_hook += nbytes
