@@ -27,7 +27,8 @@ SMALL_BUCKETS = {
     "first_bucket_cap_mb": 0.0002,
 }  # ~262 and ~52 floats: 3 buckets of mlp()
 # The overlap's last bucket becomes [fc1.weight, scale] of ScaledInput, reduced in 5 chunks of <= 3072
-# elements (the first cap's 2621 floats, rounded up to 1024): fc1.weight is cut in 4 slices, scale is whole.
+# elements (the first cap's 2621 floats, rounded up to 1024): fc1.weight is cut in 4 slices, scale is whole;
+# fc2.weight (20,480 elements, bucket 0) is updated in 7 slices of that size.
 CHUNKED_BUCKETS = {"first_bucket_cap_mb": 0.01, "bucket_cap_mb": 1.0}
 STEPS = 6
 TOLERANCE = 1e-6
@@ -290,12 +291,13 @@ def test_same_parameters_and_state_as_torch_ddp(outcomes: list[dict[str, Any]], 
         )
         if name.startswith("chunked_"):
             assert result["chunked"], f"rank {rank} {name}: the last bucket was not reduced in chunks"
-            expected = (
-                0 if name.endswith("_whole") else 1
-            )  # fc1.weight; its first step (no state yet) is whole
+            # fc1.weight as its chunks arrive, fc2.weight (bucket 0) in cache-sized slices; never in a first
+            # step (no state yet), never with Adafactor (not elementwise)
+            expected = 0 if name.endswith("_whole") else 2
             assert result["sliced"] == expected, f"rank {rank} {name}: {result['sliced']} parameter(s) sliced"
         else:
             assert not result["chunked"], f"rank {rank} {name}: the last bucket is too small to chunk"
+            assert result["sliced"] == 0, f"rank {rank} {name}: no parameter is longer than a slice"
 
 
 def test_no_step_inside_no_sync(outcomes: list[dict[str, Any]]) -> None:

@@ -176,10 +176,15 @@ class Reducer:
         if self.overlap is None or self._on_cuda or not self.buckets:
             return None  # CUDA: not measured (no GPU here), so not enabled
         spec = self.buckets[-1].spec
-        chunk_numel = max(1, self.first_cap_bytes // torch.empty((), dtype=spec.dtype).element_size())
         numels = [self.params[i].numel() for i in spec.param_indices]
-        ranges = chunk_ranges(spec.offsets, numels, chunk_numel)
+        ranges = chunk_ranges(spec.offsets, numels, self.slice_numel(spec.dtype))
         return ranges if len(ranges) > 1 else None
+
+    def slice_numel(self, dtype: torch.dtype) -> int:
+        """Elements of ``dtype`` in the first bucket's cap: the size of the last bucket's chunks under the
+        overlap, and of the slices it updates large parameters in (1 MiB by default: see
+        :mod:`lightning_ddpx.engine.piecewise_step` for why slices are faster)."""
+        return max(1, self.first_cap_bytes // torch.empty((), dtype=dtype).element_size())
 
     @torch.no_grad()
     def _alias_grads_to_buckets(self) -> None:
