@@ -166,6 +166,40 @@ def side_by_side(
     return out
 
 
+def joined_on_uneven_inputs() -> dict[str, Any]:
+    """join() with the chunked last bucket: rank 1 runs out after 3 of 6 steps and shadows the rest, so its
+    shadow collectives must be the active rank's chunks. Ours (overlap) vs torch's DDP join (plain step)."""
+    torch.manual_seed(0)
+    base = ScaledInput()
+    ours = lightning_ddpx.DistributedDataParallel(copy.deepcopy(base), **CHUNKED_BUCKETS)
+    theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=1.0)
+    opt_ours, opt_theirs = adamw_two_groups(ours.module), adamw_two_groups(theirs.module)
+    ours.overlap_optimizer_with(opt_ours)
+    start = [p.detach().clone() for p in ours.module.parameters()]
+    sliced = 0
+    steps = 6 if dist.get_rank() == 0 else 3
+    for model, optimizer in ((ours, opt_ours), (theirs, opt_theirs)):
+        with model.join():
+            for step in range(steps):
+                optimizer.zero_grad()
+                loss_of(model, step).backward()
+                if model is theirs:
+                    optimizer.step()
+                else:
+                    sliced = max(sliced, ours.reducer.overlap.last_sliced_params)
+    out = {
+        "param": max_param_diff(ours, theirs),
+        "state": max_state_diff(opt_ours, opt_theirs),
+        "buckets": len(ours.bucket_plan()),
+        "sliced": sliced,
+        "chunked": ours.reducer.reduces_last_bucket_in_chunks,
+        "moved": max((a - p).abs().max().item() for a, p in zip(start, ours.module.parameters())),
+        "has_state": len(opt_ours.state) > 0,
+    }
+    ours.close()
+    return out
+
+
 class OwnStep(torch.optim.SGD):
     """A subclass that overrides step(): it may do anything across parameters, so it is refused."""
 
@@ -252,6 +286,13 @@ SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     ),
     "chunked_scale_not_optimized": lambda: side_by_side(
         ScaledInput, lambda m: sgd(p for n, p in m.named_parameters() if n != "scale"), CHUNKED_BUCKETS
+    ),
+    "chunked_join_uneven": joined_on_uneven_inputs,
+    "chunked_static_graph": lambda: side_by_side(
+        ScaledInput, adamw_two_groups, {**CHUNKED_BUCKETS, "static_graph": True}
+    ),
+    "chunked_find_unused": lambda: side_by_side(
+        ScaledInput, adamw_two_groups, {**CHUNKED_BUCKETS, "find_unused_parameters": True}
     ),
     # Adafactor's factored statistics are not elementwise: fc1.weight steps whole with its last chunk
     "chunked_adafactor_whole": lambda: side_by_side(

@@ -45,18 +45,28 @@ def view_of(optimizer: torch.optim.Optimizer) -> Any:
     return make
 
 
+# the same classes through their other implementations (name: class, options)
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "AdamW_fused": ("AdamW", {"lr": 1e-2, "weight_decay": 0.1, "fused": True}),
+    "Adam_foreach": ("Adam", {"lr": 1e-2, "foreach": True}),
+    "SGD_foreach": ("SGD", {"lr": 0.1, "momentum": 0.9, "foreach": True}),
+}
+CASES = {**{name: (name, options) for name, options in OPTIONS.items()}, **VARIANTS}
+
+
 def test_every_elementwise_optimizer_has_options_here() -> None:
     assert sorted(OPTIONS) == sorted(ELEMENTWISE_OPTIMIZERS)
 
 
-@pytest.mark.parametrize("name", sorted(OPTIONS))
+@pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("shape", [(300, 70), (5000,)], ids=["matrix_with_tail", "vector"])
 def test_slices_give_the_whole_update_bit_for_bit(name: str, shape: tuple[int, ...]) -> None:
     torch.manual_seed(0)
     whole = torch.nn.Parameter(torch.randn(shape))
     sliced = copy.deepcopy(whole)
-    make = getattr(torch.optim, name)
-    opt_whole, opt_sliced = make([whole], **OPTIONS[name]), make([sliced], **OPTIONS[name])
+    cls, options = CASES[name]
+    make = getattr(torch.optim, cls)
+    opt_whole, opt_sliced = make([whole], **options), make([sliced], **options)
     ranges = chunk_ranges([0], [whole.numel()], 2000)  # cuts at 2048, 4096, ...: the last slice has a tail
     assert len(ranges) >= 3
     sliced_steps = 0

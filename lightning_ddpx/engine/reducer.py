@@ -120,7 +120,8 @@ class Reducer:
         self._launcher: InlineLauncher | SequencedLauncher = InlineLauncher()
         # overlap_optimizer_with: writes back and steps bucket by bucket in _finalize (engine.optimizer_overlap)
         self.overlap: Any = None  # set through set_overlap: the bucket plan depends on it
-        # With the overlap, reduce the last bucket in chunks (off only to measure what that gains)
+        # With the overlap, reduce the last bucket in chunks (off only to measure what that gains; set it
+        # alike on every rank, as the collectives differ)
         self.chunk_last_bucket = True
 
         self.phase = Phase.IDLE
@@ -280,7 +281,7 @@ class Reducer:
             raise RuntimeError(
                 "lightning_ddpx: a joined rank cannot shadow while its own backward is reducing"
             )
-        hook, state = self.hook, self.hook_state
+        state = self.hook_state
         launched: list[tuple[int, torch.futures.Future]] = []
         with label("lightning_ddpx::join_shadow"):
             for b, bucket in enumerate(self.buckets):
@@ -295,7 +296,8 @@ class Reducer:
                 self.progress.record(
                     "bucket {} of {} ({}), shadowing (joined)", b, len(self.buckets), self._hook_name
                 )
-                call: Callable[[], torch.futures.Future] = lambda gb=grad_bucket: hook(state, gb)  # noqa: E731
+                hook = self._hook_for(b)  # the active ranks' collectives (the last bucket's chunks included)
+                call: Callable[[], torch.futures.Future] = lambda gb=grad_bucket, hook=hook: hook(state, gb)  # noqa: E731
                 if self.progress.debug:  # counted as if this rank ran the forward it shadows
                     call = self._checked(call, b, (self._forwards_armed + 1, self._reductions + 1))
                 launched.append((b, self._launcher.submit(call)))
@@ -477,12 +479,8 @@ class Reducer:
                 "bucket {} of {} ({}) in iteration {}", b, len(self.buckets), self._hook_name,
                 self.iterations_synced + 1,
             )  # fmt: skip
-            hook = self.hook
-            if b == len(self.buckets) - 1 and self.reduces_last_bucket_in_chunks:
-                hook = self._sum_allreduce_in_chunks
-            call = on_stream(
-                stream, self._hook_call(hook, grad_bucket, bucket.nbytes)
-            )  # also on the comm thread
+            hook = self._hook_for(b)
+            call = on_stream(stream, self._hook_call(hook, grad_bucket, bucket.nbytes))  # also on comm thread
             if self.progress.debug:
                 call = self._checked(call, b, (self._forwards_armed, self._reductions + 1))
             self._futures[b] = self._launcher.submit(call)
@@ -525,6 +523,13 @@ class Reducer:
                 else:
                     torch.mul(param.grad, scale, out=view)
         wait_streams(stream, producers)
+
+    def _hook_for(self, b: int) -> CommHook:
+        """The hook that reduces bucket ``b``: the registered one, or the default path's (in chunks for the
+        last bucket under the overlap)."""
+        if b == len(self.buckets) - 1 and self.reduces_last_bucket_in_chunks:
+            return self._sum_allreduce_in_chunks
+        return self.hook
 
     @property
     def reduces_last_bucket_in_chunks(self) -> bool:
