@@ -37,6 +37,26 @@ class AdamWScheduled(TinyRegressor):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class WideAdamW(AdamWScheduled):
+    """8 -> 512 -> 4: with SMALL_BUCKETS the overlap reduces its last bucket ([net.0.weight], 4,096
+    elements) in 4 chunks and updates it, and net.2.weight (2,048), slice by slice (engine.piecewise_step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 512), nn.Tanh(), nn.Linear(512, 4))
+
+
+class SliceProbe(Callback):
+    """After each overlapped backward: (last bucket reduced in chunks, parameters updated in slices)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[bool, int]] = []
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        reducer = trainer.strategy.model.reducer
+        self.seen.append((reducer.reduces_last_bucket_in_chunks, reducer.overlap.last_sliced_params))
+
+
 class Manual(TinyRegressor):
     def __init__(self) -> None:
         super().__init__()
@@ -141,6 +161,14 @@ def train_everything(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any
         out[f"adamw/{name}/state"] = optimizer_state(trainer)
         out[f"adamw/{name}/lr"] = trainer.optimizers[0].param_groups[0]["lr"]
         out[f"adamw/{name}/steps"] = trainer.global_step
+    # A wider model: the last bucket in chunks, long parameters in slices, through the Trainer.
+    for name, strategy in (("ddp", "ddp"), ("overlap", ddpx())):
+        probes = [SliceProbe()] if name == "overlap" else []
+        trainer, model = fit(strategy, max_steps=STEPS, model_cls=WideAdamW, callbacks=probes)
+        out[f"wide/{name}"] = parameters_of(model)
+        out[f"wide/{name}/state"] = optimizer_state(trainer)
+        if probes:
+            out["wide/seen"] = probes[0].seen
     # SGD with momentum, accumulate_grad_batches: the step happens on the boundary only.
     for name, strategy in (("ddp", "ddp"), ("overlap", ddpx())):
         probe = OverlapProbe()
@@ -195,6 +223,15 @@ def test_adamw_with_scheduler_matches_ddp(results: list[dict[str, Any]]) -> None
             assert_same(out["adamw/overlap/state"][index], state)
         assert out["adamw/overlap/lr"] == out["adamw/ddp/lr"] == pytest.approx(0.02 * GAMMA**STEPS)
         assert all(not torch.equal(out["adamw/overlap"][k], v) for k, v in out["start"].items())
+
+
+def test_chunked_last_bucket_and_sliced_updates_match_ddp(results: list[dict[str, Any]]) -> None:
+    for out in results:
+        # the first step creates AdamW's state, so it is whole; from the second on, both weights in slices
+        assert out["wide/seen"] == [(True, 0)] + [(True, 2)] * (STEPS - 1)
+        assert_same(out["wide/overlap"], out["wide/ddp"])
+        for index, state in out["wide/ddp/state"].items():
+            assert_same(out["wide/overlap/state"][index], state)
 
 
 def test_accumulation_steps_on_the_boundary_like_ddp(results: list[dict[str, Any]]) -> None:
