@@ -10,12 +10,14 @@ several buckets, and after every step the parameters AND the optimizer state mus
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any, Callable
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import lightning_ddpx
 from lightning_ddpx.engine.optimizer_overlap import check_overlappable
@@ -118,14 +120,25 @@ def side_by_side(
     accumulate: int = 1,
     scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
     reload_state_at: int | None = None,
+    fp16_hooks: bool = False,
+    debug: bool = False,
 ) -> dict[str, Any]:
-    """Train ours (overlapped) and torch's (plain step) side by side; the worst differences seen."""
+    """Train ours (overlapped) and torch's (plain step) side by side; the worst differences seen.
+    ``fp16_hooks``: our fp16 hook on ours, torch's on theirs; ``debug``: ours built under DDPX_DEBUG=1."""
     torch.manual_seed(0)
     base = build()
-    ours = lightning_ddpx.DistributedDataParallel(copy.deepcopy(base), **ours_kwargs)
+    if debug:
+        os.environ["DDPX_DEBUG"] = "1"
+    try:
+        ours = lightning_ddpx.DistributedDataParallel(copy.deepcopy(base), **ours_kwargs)
+    finally:
+        os.environ.pop("DDPX_DEBUG", None)
     if torch_kwargs is None:  # torch has no first_bucket_cap_mb (its first bucket is fixed at 1 MiB)
         torch_kwargs = {k: v for k, v in ours_kwargs.items() if k != "first_bucket_cap_mb"}
     theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), **torch_kwargs)
+    if fp16_hooks:
+        ours.register_comm_hook(None, lightning_ddpx.hooks.fp16_compress_hook)
+        theirs.register_comm_hook(None, default_hooks.fp16_compress_hook)
     opt_ours, opt_theirs = make_optimizer(ours.module), make_optimizer(theirs.module)
     ours.overlap_optimizer_with(opt_ours)
     schedulers = [scheduler(o) for o in (opt_ours, opt_theirs)] if scheduler else []
@@ -159,6 +172,7 @@ def side_by_side(
         overlap = ours.reducer.overlap
         out["sliced"] = max(out["sliced"], overlap.last_sliced_params if overlap is not None else 0)
     out["chunked"] = ours.reducer.reduces_last_bucket_in_chunks
+    out["debug"] = ours.reducer.progress.debug
     out["moved"] = max((a - p).abs().max().item() for a, p in zip(start, ours.module.parameters()))
     out["lr"] = [g["lr"] for g in opt_ours.param_groups]
     out["has_state"] = len(opt_ours.state) > 0
@@ -288,6 +302,9 @@ SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
         ScaledInput, lambda m: sgd(p for n, p in m.named_parameters() if n != "scale"), CHUNKED_BUCKETS
     ),
     "chunked_join_uneven": joined_on_uneven_inputs,
+    "chunked_debug": lambda: side_by_side(ScaledInput, adamw_two_groups, CHUNKED_BUCKETS, debug=True),
+    # a registered hook sees whole buckets: no chunks, but long parameters are still updated in slices
+    "sliced_fp16_hook": lambda: side_by_side(ScaledInput, adamw_two_groups, CHUNKED_BUCKETS, fp16_hooks=True),
     "chunked_static_graph": lambda: side_by_side(
         ScaledInput, adamw_two_groups, {**CHUNKED_BUCKETS, "static_graph": True}
     ),
@@ -336,9 +353,14 @@ def test_same_parameters_and_state_as_torch_ddp(outcomes: list[dict[str, Any]], 
             # step (no state yet), never with Adafactor (not elementwise)
             expected = 0 if name.endswith("_whole") else 2
             assert result["sliced"] == expected, f"rank {rank} {name}: {result['sliced']} parameter(s) sliced"
+        elif name.startswith("sliced_"):
+            assert not result["chunked"], f"rank {rank} {name}: a registered hook must get whole buckets"
+            assert result["sliced"] == 2, f"rank {rank} {name}: {result['sliced']} parameter(s) sliced"
         else:
             assert not result["chunked"], f"rank {rank} {name}: the last bucket is too small to chunk"
             assert result["sliced"] == 0, f"rank {rank} {name}: no parameter is longer than a slice"
+        if name.endswith("_debug"):
+            assert result["debug"], f"rank {rank}: DDPX_DEBUG was not on"
 
 
 def test_no_step_inside_no_sync(outcomes: list[dict[str, Any]]) -> None:
