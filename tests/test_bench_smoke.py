@@ -171,3 +171,24 @@ def test_per_parameter_benchmark_runs_end_to_end() -> None:
         "--gradient-as-bucket-view",
     )
     assert "gradient_as_bucket_view=True" in completed.stdout
+
+
+def test_overlap_benchmark_runs_end_to_end(tmp_path) -> None:
+    out = tmp_path / "overlap.json"
+    completed = run_benchmark(
+        "bench_overlap_optimizer.py",
+        "--models", "tiny", "--steps", "2", "--warmup", "2", "--block", "1", "--compare-whole-last-bucket",
+        "--json", str(out),
+    )  # fmt: skip
+    assert "overlap with the last bucket whole" in completed.stdout
+    tiny = json.loads(out.read_text())["models"]["tiny"]
+    assert set(tiny["times_s"]) == {"torch", "ours", "overlap", "overlap_whole"}
+    assert all(len(times) == 2 for times in tiny["times_s"].values())
+    assert tiny["max_diff_overlap_vs_torch"] <= 1e-6
+    assert set(tiny["exposed_update_ms"]) == {"overlap", "overlap_whole"}
+
+
+def test_slices_benchmark_runs_end_to_end() -> None:
+    completed = run_benchmark("bench_slices.py", "--repeats", "1")
+    assert "bit-identical" in completed.stdout and "AdamW" in completed.stdout
+    assert "16 chunks" in completed.stdout
