@@ -128,7 +128,7 @@ class OptimizerOverlap:
         self.optimizer = optimizer
         self.reducer = reducer
         self.last_optimizer_s = 0.0  # time spent in bucket steps in the last synchronised backward
-        # parameters of the last bucket updated slice by slice in the last synchronised backward
+        # parameters updated slice by slice (engine.piecewise_step) in the last synchronised backward
         self.last_sliced_params = 0
         # seconds of write-back and update left after the last reduction arrived: what the overlap could not hide
         self.last_exposed_update_s = 0.0
@@ -247,86 +247,18 @@ class OptimizerOverlap:
         self, b: int, groups: list[dict[str, Any]], members: list[tuple[int, list[torch.nn.Parameter]]]
     ) -> tuple[float, float]:
         """The last bucket, reduced in chunks (every parameter used on this rank): as each chunk arrives,
-        write its gradients back and update what it completes -- whole parameters inside it, and its slice
-        of a parameter cut across chunks (:mod:`lightning_ddpx.engine.piecewise_step`; a parameter that does
-        not qualify steps whole once its last slice is written). Returns (seconds waited, seconds stepping)."""
-        reducer, bucket = self.reducer, self.reducer.buckets[b]
-        group_of = {id(p): g for g, params in members for p in params}
-        spans = [(offset, offset + p.numel()) for offset, p in zip(bucket.spec.offsets, bucket.params)]
-        pieces: dict[int, PiecewiseStep | None] = {}  # position in the bucket -> its piecewise update
-        write_back = not reducer.gradient_as_bucket_view
+        write its gradients back and update what it completes (:class:`_ChunkedBucket`). Returns (seconds
+        waited, seconds stepping)."""
+        bucket = _ChunkedBucket(self, b, groups, members)
         waited = stepping = 0.0
-        first = 0  # the first parameter (position) not yet complete
-        for start, end, waited_s in reducer.reduced_chunks_of_last():
+        for start, end, waited_s in self.reducer.reduced_chunks_of_last():
             waited += waited_s
             started = self._last_arrival = time.perf_counter()
-            whole: dict[int, list[torch.nn.Parameter]] = {}
-            grads, views = [], []
-            position = first
-            while position < len(spans) and spans[position][0] < end:
-                offset, stop = spans[position]
-                param, view = bucket.params[position], bucket.views[position]
-                lo, hi = max(start, offset) - offset, min(end, stop) - offset
-                complete = stop <= end
-                g = group_of.get(id(param))
-                with torch.no_grad():
-                    if lo == 0 and complete:  # the whole parameter is in this chunk
-                        if write_back:
-                            grads.append(param.grad)
-                            views.append(view)
-                        if g is not None:
-                            whole.setdefault(g, []).append(param)
-                    else:
-                        self._write_and_step_slice(position, param, view, g, groups, lo, hi, complete,
-                                                   write_back, pieces, whole)  # fmt: skip
-                if not complete:
-                    break
-                position += 1
-            first = position
-            if grads:
-                with torch.no_grad():
-                    foreach_copy_(grads, views)
+            whole = bucket.arrived(start, end)
             stepping += time.perf_counter() - started
-            stepping += self._step(self._view(), groups, sorted(whole.items()))
+            stepping += self._step(self._view(), groups, whole)
+        self.last_sliced_params += bucket.sliced
         return waited, stepping
-
-    def _write_and_step_slice(
-        self,
-        position: int,
-        param: torch.nn.Parameter,
-        view: torch.Tensor,
-        g: int | None,
-        groups: list[dict[str, Any]],
-        lo: int,
-        hi: int,
-        complete: bool,
-        write_back: bool,
-        pieces: dict[int, PiecewiseStep | None],
-        whole: dict[int, list[torch.nn.Parameter]],
-    ) -> None:
-        """Elements ``lo:hi`` of a parameter cut across chunks: written back, then stepped as a slice when
-        it qualifies; otherwise the whole parameter steps with the chunk that completes it."""
-        grad = param.grad
-        if write_back:
-            if grad is not None and grad.is_contiguous():
-                grad.view(-1)[lo:hi].copy_(view.view(-1)[lo:hi])
-            elif complete and grad is not None:
-                grad.copy_(view)  # a strided gradient: written whole with its last slice
-        if g is None:
-            return
-        if position not in pieces:  # its first slice: decide once per step
-            qualifies = grad is not None and grad.is_contiguous() and steps_in_pieces(self.optimizer, param)
-            state = self.optimizer.state.get(param) if qualifies else None
-            pieces[position] = PiecewiseStep(self._view, groups[g], param, state) if state else None
-        piecewise = pieces[position]
-        if piecewise is not None:
-            with label("lightning_ddpx::overlap_optimizer_step_slice"):
-                piecewise.step(lo, hi)
-            if complete:
-                piecewise.finish()
-                self.last_sliced_params += 1
-        elif complete:
-            whole.setdefault(g, []).append(param)
 
     def _step(
         self, view: torch.optim.Optimizer, groups: list[dict[str, Any]], members: list[tuple[int, list[Any]]]
@@ -361,6 +293,95 @@ class OptimizerOverlap:
                 piecewise.step(start, end)
             piecewise.finish()
         self.last_sliced_params += 1
+        return True
+
+
+class _ChunkedBucket:
+    """One synchronised backward's last bucket as its chunks arrive (``arrived``, in order): each chunk's
+    gradients are written back; a parameter inside one chunk is returned to be stepped with the others;
+    a parameter cut across chunks is updated slice by slice (:mod:`lightning_ddpx.engine.piecewise_step`)
+    when it qualifies, else returned whole with the chunk that completes it."""
+
+    def __init__(
+        self,
+        overlap: OptimizerOverlap,
+        b: int,
+        groups: list[dict[str, Any]],
+        members: list[tuple[int, list[torch.nn.Parameter]]],
+    ) -> None:
+        self._overlap = overlap
+        self._bucket = overlap.reducer.buckets[b]
+        self._groups = groups
+        self._group_of = {id(p): g for g, params in members for p in params}
+        self._spans = [
+            (offset, offset + p.numel()) for offset, p in zip(self._bucket.spec.offsets, self._bucket.params)
+        ]
+        self._write_back = not overlap.reducer.gradient_as_bucket_view
+        self._pieces: dict[int, PiecewiseStep | None] = {}  # position in the bucket -> its piecewise update
+        self._first = 0  # the first parameter (position) not yet complete
+        self.sliced = 0  # parameters updated slice by slice
+
+    @torch.no_grad()
+    def arrived(self, start: int, end: int) -> list[tuple[int, list[torch.nn.Parameter]]]:
+        """Elements ``start:end`` of the buffer are reduced: write them back, update the slices they
+        complete; returns (group index, parameters) to step whole now."""
+        whole: dict[int, list[torch.nn.Parameter]] = {}
+        grads, views = [], []
+        position = self._first
+        while position < len(self._spans) and self._spans[position][0] < end:
+            offset, stop = self._spans[position]
+            param, view = self._bucket.params[position], self._bucket.views[position]
+            lo, hi, complete = max(start, offset) - offset, min(end, stop) - offset, stop <= end
+            g = self._group_of.get(id(param))
+            if lo == 0 and complete:  # the whole parameter is in this chunk
+                if self._write_back:
+                    grads.append(param.grad)
+                    views.append(view)
+                if g is not None:
+                    whole.setdefault(g, []).append(param)
+            else:
+                self._write_back_slice(param, view, lo, hi, complete)
+                if g is not None and not self._step_slice(position, param, g, lo, hi, complete) and complete:
+                    whole.setdefault(g, []).append(param)
+            if not complete:
+                break
+            position += 1
+        self._first = position
+        if grads:
+            foreach_copy_(grads, views)
+        return sorted(whole.items())
+
+    def _write_back_slice(
+        self, param: torch.nn.Parameter, view: torch.Tensor, lo: int, hi: int, complete: bool
+    ) -> None:
+        grad = param.grad
+        if not self._write_back or grad is None:
+            return
+        if grad.is_contiguous():
+            grad.view(-1)[lo:hi].copy_(view.view(-1)[lo:hi])
+        elif complete:
+            grad.copy_(view)  # a strided gradient: written whole with its last slice
+
+    def _step_slice(
+        self, position: int, param: torch.nn.Parameter, g: int, lo: int, hi: int, complete: bool
+    ) -> bool:
+        """Update elements ``lo:hi`` of ``param`` if it qualifies (decided at its first slice); whether it did."""
+        if position not in self._pieces:
+            optimizer = self._overlap.optimizer
+            grad = param.grad
+            qualifies = grad is not None and grad.is_contiguous() and steps_in_pieces(optimizer, param)
+            state = optimizer.state.get(param) if qualifies else None
+            self._pieces[position] = (
+                PiecewiseStep(self._overlap._view, self._groups[g], param, state) if state else None
+            )
+        piecewise = self._pieces[position]
+        if piecewise is None:
+            return False
+        with label("lightning_ddpx::overlap_optimizer_step_slice"):
+            piecewise.step(lo, hi)
+        if complete:
+            piecewise.finish()
+            self.sliced += 1
         return True
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -561,7 +561,7 @@ class Reducer:
             lambda _: buffer
         )
 
-    def reduced_chunks_of_last(self) -> Any:
+    def reduced_chunks_of_last(self) -> Iterator[tuple[int, int, float]]:
         """Yield ``(start, end, seconds waited)`` for each chunk of the last bucket as its reduction
         completes, in order (only when it was launched in chunks: :attr:`reduces_last_bucket_in_chunks`)."""
         b = len(self.buckets) - 1
