@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import os
 import sys
 import time
-from collections import OrderedDict
 from typing import Any, Callable
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` and `lightning_ddpx` importable
@@ -30,7 +30,7 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks.common import format_table, launch  # noqa: E402
 from lightning_ddpx.engine.bucketing import chunk_ranges  # noqa: E402
-from lightning_ddpx.engine.piecewise_step import PiecewiseStep  # noqa: E402
+from lightning_ddpx.engine.piecewise_step import PiecewiseStep, optimizer_view  # noqa: E402
 
 SLICE_SIZES = (32768, 65536, 131072, 262144, 524288, 1048576)
 CHUNK_COUNTS = (4, 8, 16, 32)
@@ -45,21 +45,9 @@ def _median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
-def _view_factory(optimizer: torch.optim.Optimizer) -> Callable[[], torch.optim.Optimizer]:
-    def make() -> torch.optim.Optimizer:
-        view = object.__new__(type(optimizer))
-        view.__dict__.update(optimizer.__dict__)
-        view._optimizer_step_pre_hooks = OrderedDict()
-        view._optimizer_step_post_hooks = OrderedDict()
-        return view
-
-    return make
-
-
 def _step_in_slices(optimizer: torch.optim.Optimizer, param: torch.nn.Parameter, slice_numel: int) -> None:
-    piecewise = PiecewiseStep(
-        _view_factory(optimizer), optimizer.param_groups[0], param, optimizer.state[param]
-    )
+    make_view = functools.partial(optimizer_view, optimizer)
+    piecewise = PiecewiseStep(make_view, optimizer.param_groups[0], param, optimizer.state[param])
     for start, end in chunk_ranges([0], [param.numel()], slice_numel):
         piecewise.step(start, end)
     piecewise.finish()

@@ -8,14 +8,19 @@ whole, step that creates the state. Parameters and every state entry must be bit
 from __future__ import annotations
 
 import copy
-from collections import OrderedDict
+import functools
 from typing import Any
 
 import pytest
 import torch
 
 from lightning_ddpx.engine.bucketing import chunk_ranges
-from lightning_ddpx.engine.piecewise_step import ELEMENTWISE_OPTIMIZERS, PiecewiseStep, steps_in_pieces
+from lightning_ddpx.engine.piecewise_step import (
+    ELEMENTWISE_OPTIMIZERS,
+    PiecewiseStep,
+    optimizer_view,
+    steps_in_pieces,
+)
 
 OPTIONS: dict[str, dict[str, Any]] = {
     "SGD": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01, "nesterov": True},
@@ -30,19 +35,6 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "Adadelta": {"lr": 1.0},
     "Adamax": {"lr": 1e-2},
 }
-
-
-def view_of(optimizer: torch.optim.Optimizer) -> Any:
-    """What the overlap hands PiecewiseStep: the user's class and options, no hooks."""
-
-    def make() -> torch.optim.Optimizer:
-        view = object.__new__(type(optimizer))
-        view.__dict__.update(optimizer.__dict__)
-        view._optimizer_step_pre_hooks = OrderedDict()
-        view._optimizer_step_post_hooks = OrderedDict()
-        return view
-
-    return make
 
 
 # the same classes through their other implementations (name: class, options)
@@ -80,7 +72,8 @@ def test_slices_give_the_whole_update_bit_for_bit(name: str, shape: tuple[int, .
             continue
         sliced_steps += 1
         state = opt_sliced.state[sliced]
-        piecewise = PiecewiseStep(view_of(opt_sliced), opt_sliced.param_groups[0], sliced, state)
+        make_view = functools.partial(optimizer_view, opt_sliced)  # what the overlap hands PiecewiseStep
+        piecewise = PiecewiseStep(make_view, opt_sliced.param_groups[0], sliced, state)
         for start, end in reversed(ranges):  # any order: each slice reads only its own elements
             piecewise.step(start, end)
         piecewise.finish()

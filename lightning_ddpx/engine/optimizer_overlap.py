@@ -36,7 +36,6 @@ rank did not use.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -44,7 +43,7 @@ import torch
 from lightning_ddpx._compat.torch import foreach_copy_
 from lightning_ddpx.engine.bucketing import chunk_ranges
 from lightning_ddpx.engine.errors import waiting_for
-from lightning_ddpx.engine.piecewise_step import PiecewiseStep, steps_in_pieces
+from lightning_ddpx.engine.piecewise_step import PiecewiseStep, optimizer_view, steps_in_pieces
 from lightning_ddpx.engine.profiling import label
 
 if TYPE_CHECKING:
@@ -177,14 +176,7 @@ class OptimizerOverlap:
         return self._bucket_groups
 
     def _view(self) -> torch.optim.Optimizer:
-        """An optimizer of the user's class sharing its state and options, without hooks or step wrappers."""
-        main = self.optimizer
-        view = object.__new__(type(main))
-        view.__dict__.update(main.__dict__)  # state (shared), defaults, flags the class's step reads
-        view.__dict__.pop("step", None)  # an LR scheduler's wrapper of the user's bound step
-        view._optimizer_step_pre_hooks = OrderedDict()
-        view._optimizer_step_post_hooks = OrderedDict()
-        return view
+        return optimizer_view(self.optimizer)
 
     # --------------------------------------------------------------------------------- per bucket
     def write_back_and_step(self, globally_used: torch.futures.Future | None) -> float:

@@ -23,16 +23,28 @@ parameter and zero-dimensional tensors or plain numbers.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from typing import Any, Callable
 
 import torch
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "PiecewiseStep", "steps_in_pieces"]
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "PiecewiseStep", "optimizer_view", "steps_in_pieces"]
 
 ELEMENTWISE_OPTIMIZERS = (
     "SGD", "Adam", "AdamW", "Adamax", "Adadelta", "Adagrad", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop",
 )  # fmt: skip
+
+
+def optimizer_view(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """An optimizer of ``optimizer``'s class sharing its state and options, without hooks or step wrappers:
+    setting its ``param_groups`` (or ``state``) and calling ``step()`` runs the class's own update on just
+    those parameters, while the user's optimizer is left as it is."""
+    view = object.__new__(type(optimizer))
+    view.__dict__.update(optimizer.__dict__)  # state (shared), defaults, flags the class's step reads
+    view.__dict__.pop("step", None)  # an LR scheduler's wrapper of the user's bound step
+    view._optimizer_step_pre_hooks = OrderedDict()
+    view._optimizer_step_post_hooks = OrderedDict()
+    return view
 
 
 def _elementwise_classes() -> tuple[type, ...]:
