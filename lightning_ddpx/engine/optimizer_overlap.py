@@ -5,8 +5,10 @@ does ``optimizer.step()`` update all parameters. With :meth:`DistributedDataPara
 <lightning_ddpx.engine.module.DistributedDataParallel.overlap_optimizer_with>`, the end of backward walks the
 buckets in launch order: wait for bucket ``b``, write its gradients into ``param.grad``, step the optimizer for
 its parameters -- while buckets ``b+1 ...`` are still being reduced on the communication threads. The update
-of the early buckets then hides behind the communication of the late ones (the last bucket's update stays
-exposed).
+of the early buckets then hides behind the communication of the late ones. The last bucket, with nothing
+left to hide behind, is reduced in chunks on the CPU default path and updated chunk by chunk as they arrive
+(:class:`_ChunkedBucket`), and parameters longer than the first bucket's cap are updated in cache-sized
+slices (:mod:`lightning_ddpx.engine.piecewise_step`): same values, less exposed and faster.
 
 Why a *view* of the user's optimizer rather than a second optimizer (torch's private
 ``_register_fused_optim`` builds a functional copy with its own state):
