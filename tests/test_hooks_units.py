@@ -507,3 +507,25 @@ def test_a_registered_hook_carries_its_own_options_type() -> None:
         build_comm_hook("noop", options={"factor": 0.5})
     with pytest.raises(TypeError, match="options_type for hook 'x' must be a class"):
         register_hook_name("x", factory, options_type="ScaleOptions")  # type: ignore[arg-type]
+
+
+def test_torchs_own_simple_hooks_run_inline_and_the_others_on_the_comm_thread() -> None:
+    """torch's allreduce/fp16/bf16/noop hooks issue every collective before returning (read in their source):
+    called inline, as our twins are. Its wrappers (closures around any hook) and PowerSGD (collectives chained
+    from callbacks) keep the sequenced communication thread."""
+    from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks, powerSGD_hook
+
+    inline = (
+        default_hooks.allreduce_hook,
+        default_hooks.fp16_compress_hook,
+        default_hooks.bf16_compress_hook,
+        debugging_hooks.noop_hook,
+    )
+    assert all(issues_collectives_on_call(hook) for hook in inline)
+    sequenced = (
+        powerSGD_hook.powerSGD_hook,
+        powerSGD_hook.batched_powerSGD_hook,
+        default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook),
+        lambda state, bucket: default_hooks.allreduce_hook(state, bucket),
+    )
+    assert not any(issues_collectives_on_call(hook) for hook in sequenced)

@@ -12,11 +12,13 @@ and waits for a hook's future before calling the next hook. Such a hook may also
 collectives synchronously) and return a completed future: it still overlaps the rest of backward.
 A hook that issues *every* collective before it returns can say so with
 :func:`collectives_issued_on_call`; the reducer then calls it inline on the autograd thread and does
-not wait between buckets, exactly like torch's C++ reducer.
+not wait between buckets, exactly like torch's C++ reducer. torch's own allreduce, fp16/bf16 compress and
+noop hooks are known to qualify and get the same treatment.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence, TypeVar
 
 import torch
@@ -46,8 +48,26 @@ def collectives_issued_on_call(hook: HookT) -> HookT:
 
 
 def issues_collectives_on_call(hook: Callable) -> bool:
-    """Whether ``hook`` was marked with :func:`collectives_issued_on_call`."""
-    return bool(getattr(hook, _ON_CALL_ATTRIBUTE, False))
+    """Whether ``hook`` was marked with :func:`collectives_issued_on_call`, or is one of torch's own hooks
+    that issue every collective before returning (:func:`_torch_hooks_issuing_on_call`)."""
+    return bool(getattr(hook, _ON_CALL_ATTRIBUTE, False)) or hook in _torch_hooks_issuing_on_call()
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_hooks_issuing_on_call() -> tuple[Callable, ...]:
+    """torch's hooks that are safe to call inline, as read in their source (torch 2.6-2.13): ``allreduce_hook``
+    and the fp16/bf16 compress hooks start their one allreduce before returning and chain only a division or
+    a cast back; ``noop_hook`` communicates nothing. A drop-in user registering them then gets the inline
+    launch our own twins get (several buckets in flight, no thread hand-off). Their wrappers are closures
+    around any hook, and PowerSGD chains collectives from callbacks: neither is listed."""
+    from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks
+
+    return (
+        default_hooks.allreduce_hook,
+        default_hooks.fp16_compress_hook,
+        default_hooks.bf16_compress_hook,
+        debugging_hooks.noop_hook,
+    )
 
 
 class GradBucket:
