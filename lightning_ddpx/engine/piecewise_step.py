@@ -23,6 +23,7 @@ parameter and zero-dimensional tensors or plain numbers.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict, defaultdict
 from typing import Any, Callable
 
@@ -47,6 +48,7 @@ def optimizer_view(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return view
 
 
+@functools.lru_cache(maxsize=1)
 def _elementwise_classes() -> tuple[type, ...]:
     return tuple(getattr(torch.optim, name) for name in ELEMENTWISE_OPTIMIZERS if hasattr(torch.optim, name))
 

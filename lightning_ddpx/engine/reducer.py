@@ -185,7 +185,7 @@ class Reducer:
         """Elements of ``dtype`` in the first bucket's cap: the size of the last bucket's chunks under the
         overlap, and of the slices it updates large parameters in (1 MiB by default: see
         :mod:`lightning_ddpx.engine.piecewise_step` for why slices are faster)."""
-        return max(1, self.first_cap_bytes // torch.empty((), dtype=dtype).element_size())
+        return max(1, self.first_cap_bytes // dtype.itemsize)  # asked per parameter per step: no tensor made
 
     @torch.no_grad()
     def _alias_grads_to_buckets(self) -> None:
