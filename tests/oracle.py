@@ -92,4 +92,6 @@ def train_side_by_side(
     return {
         "params": {n: p.detach().clone() for n, p in ours.module.named_parameters()},
         "plans": plans,
+        # which buckets our default path reduced as two halves (two CPU ranks, large buckets)
+        "halves": [ours.reducer.reduces_in_halves(b) for b in range(len(ours.reducer.buckets))],
     }

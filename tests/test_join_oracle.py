@@ -54,6 +54,12 @@ class Branches(nn.Module):
         return self.a(h) if dist.get_rank() == 0 else self.b(h)
 
 
+def big() -> nn.Module:
+    """A 4 MiB layer: with default caps its bucket goes out as two halves between two CPU ranks, so the
+    joined rank must shadow it with the same two collectives."""
+    return nn.Sequential(nn.Linear(16, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 4))
+
+
 def _loss(model: nn.Module, step: int, conv: bool) -> torch.Tensor:
     rank = dist.get_rank()
     shape = (4, 3, 8, 8) if conv else (8, 16)
@@ -87,6 +93,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "mlp_as_view": {"kwargs": {"gradient_as_bucket_view": True}},
     "allreduce_hook": {"hook": ("allreduce", default_hooks.allreduce_hook)},
     "fp16_hook": {"hook": ("fp16", default_hooks.fp16_compress_hook), "tolerance": 1e-3},
+    "big_halves": {"build": big, "kwargs": {"bucket_cap_mb": 25, "first_bucket_cap_mb": 1}, "halves": True},
 }
 
 
@@ -114,6 +121,9 @@ def run_against_torch(rank: int, world_size: int, names: list[str]) -> dict[str,
                 scenario.get("accumulate", 1),
                 scenario.get("join", {}),
             )
+        if "halves" in scenario:  # two ranks reduce the large bucket in halves; three keep it whole
+            halves = any(ours.reducer.reduces_in_halves(b) for b in range(len(ours.reducer.buckets)))
+            assert halves == (world_size == 2), f"{name}: halves {halves} on {world_size} ranks"
         results[name] = {
             "ours": _params(ours),
             "torch": _params(theirs),

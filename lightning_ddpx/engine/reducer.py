@@ -52,6 +52,27 @@ def _sum_allreduce_hook(process_group: dist.ProcessGroup, bucket: GradBucket) ->
     return dist.all_reduce(buffer, group=process_group, async_op=True).get_future()
 
 
+# Two ranks on the CPU: a bucket this large or larger is reduced as two all-reduces of its halves, issued
+# together. gloo runs concurrent collectives on its worker threads (two per process group by default), so
+# the halves travel in parallel: 0.78-0.92x the time of one all-reduce at 4-16.8 MB, not at 1-2 MB
+# (benchmarks/bench_collectives.py, docs/benchmarks.md).
+_HALVES_MIN_BYTES = 4 * 1024 * 1024
+
+
+@collectives_issued_on_call
+def _sum_allreduce_in_halves(process_group: dist.ProcessGroup, bucket: GradBucket) -> torch.futures.Future:
+    """The default path's hook for a large bucket between two CPU ranks: one sum-allreduce per half. With two
+    ranks each element is ``a + b`` whichever collective carries it, so the result is bit-identical to one
+    all-reduce (with more ranks gloo's ring would sum in a different order: not used there)."""
+    buffer = bucket.buffer()
+    record_bytes_sent(bucket, payload_bytes(buffer))
+    futures = [
+        dist.all_reduce(half, group=process_group, async_op=True).get_future()
+        for half in buffer.tensor_split(2)
+    ]
+    return torch.futures.collect_all(futures).then(lambda _: buffer)
+
+
 # With no hook, scaling happens during the copy into the bucket (one pass over the gradients instead of a copy
 # and a multiply, as torch's reducer does). Per-parameter fused multiplies cost one dispatch each, so buckets
 # of many small tensors copy in one batched call and scale the whole buffer instead.
@@ -123,6 +144,9 @@ class Reducer:
         # With the overlap, reduce the last bucket in chunks (off only to measure what that gains; set it
         # alike on every rank, as the collectives differ)
         self.chunk_last_bucket = True
+        # Two CPU ranks, default path: reduce large buckets as two halves (off only to measure what that gains;
+        # set it alike on every rank, as the collectives differ)
+        self.split_large_buckets = True
 
         self.phase = Phase.IDLE
         self.iterations_synced = 0  # completed synchronised backwards
@@ -529,7 +553,20 @@ class Reducer:
         last bucket under the overlap)."""
         if b == len(self.buckets) - 1 and self.reduces_last_bucket_in_chunks:
             return self._sum_allreduce_in_chunks
+        if self.reduces_in_halves(b):
+            return _sum_allreduce_in_halves
         return self.hook
+
+    def reduces_in_halves(self, b: int) -> bool:
+        """Whether bucket ``b`` goes out as two all-reduces of its halves (default path, two CPU ranks,
+        at least ``_HALVES_MIN_BYTES``: see :func:`_sum_allreduce_in_halves`)."""
+        return (
+            self.split_large_buckets
+            and self.hook is _sum_allreduce_hook
+            and self.world_size == 2
+            and not self._on_cuda
+            and self.buckets[b].nbytes >= _HALVES_MIN_BYTES
+        )
 
     @property
     def reduces_last_bucket_in_chunks(self) -> bool:
@@ -542,8 +579,11 @@ class Reducer:
 
     @property
     def last_bucket_collectives(self) -> int:
-        """How many collectives reduce the last bucket (1 unless :attr:`reduces_last_bucket_in_chunks`)."""
-        return len(self._last_bucket_chunks or ()) if self.reduces_last_bucket_in_chunks else 1
+        """How many collectives reduce the last bucket: its chunks' (:attr:`reduces_last_bucket_in_chunks`),
+        2 (:meth:`reduces_in_halves`) or 1."""
+        if self.reduces_last_bucket_in_chunks:
+            return len(self._last_bucket_chunks or ())
+        return 2 if self.reduces_in_halves(len(self.buckets) - 1) else 1
 
     def _sum_allreduce_in_chunks(
         self, process_group: dist.ProcessGroup, bucket: GradBucket
