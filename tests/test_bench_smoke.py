@@ -192,3 +192,8 @@ def test_slices_benchmark_runs_end_to_end() -> None:
     completed = run_benchmark("bench_slices.py", "--repeats", "1")
     assert "bit-identical" in completed.stdout and "AdamW" in completed.stdout
     assert "16 chunks" in completed.stdout
+
+
+def test_collectives_benchmark_runs_end_to_end() -> None:
+    completed = run_benchmark("bench_collectives.py", "--sizes-mb", "0.01", "--repeats", "1")
+    assert "halves" in completed.stdout and "0.0 MB" in completed.stdout
