@@ -95,3 +95,9 @@ def train_side_by_side(
         # which buckets our default path reduced as two halves (two CPU ranks, large buckets)
         "halves": [ours.reducer.reduces_in_halves(b) for b in range(len(ours.reducer.buckets))],
     }
+
+
+def wide_4mib_mlp() -> nn.Module:
+    """A 1024 x 1024 layer (4 MiB): with the default caps its bucket is large enough to go out as two halves
+    between two CPU ranks (lightning_ddpx.engine.reducer._sum_allreduce_in_halves)."""
+    return nn.Sequential(nn.Linear(16, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 4))

@@ -15,7 +15,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 import lightning_ddpx
 from tests.dist_utils import run_distributed
-from tests.oracle import rank_batch, train_side_by_side
+from tests.oracle import rank_batch, train_side_by_side, wide_4mib_mlp
 
 SMALL_BUCKETS = {"bucket_cap_mb": 0.004, "first_bucket_cap_mb": 0.001}  # ~1000 and ~250 floats
 STEPS = 10
@@ -149,12 +149,6 @@ def test_no_sync_accumulation_matches_torch(name: str) -> None:
 
 
 # ------------------------------------------------------------------------- large buckets in halves
-def big() -> nn.Module:
-    """A 1024 x 1024 layer (4 MiB): with the default caps its bucket is large enough to go out as two halves
-    between two CPU ranks (lightning_ddpx.engine.reducer._sum_allreduce_in_halves)."""
-    return nn.Sequential(nn.Linear(16, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 4))
-
-
 BIG_SCENARIOS: dict[str, dict] = {
     "plain": {},
     "as_view": {"gradient_as_bucket_view": True},
@@ -176,7 +170,7 @@ def run_big(rank: int, world_size: int, name: str, accumulate: int = 1, torch_ho
     tolerance = {"rtol": 0.0, "atol": 0.0} if exact else {"rtol": 1e-5, "atol": 1e-6}
     return train_side_by_side(
         rank,
-        big,
+        wide_4mib_mlp,
         mlp_loss,
         6 if exact else 2,
         kwargs,

@@ -21,7 +21,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 import lightning_ddpx
 from lightning_ddpx import hooks
 from tests.dist_utils import run_distributed
-from tests.oracle import rank_batch
+from tests.oracle import rank_batch, wide_4mib_mlp
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -52,12 +52,6 @@ class Branches(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.trunk(x))
         return self.a(h) if dist.get_rank() == 0 else self.b(h)
-
-
-def big() -> nn.Module:
-    """A 4 MiB layer: with default caps its bucket goes out as two halves between two CPU ranks, so the
-    joined rank must shadow it with the same two collectives."""
-    return nn.Sequential(nn.Linear(16, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 4))
 
 
 def _loss(model: nn.Module, step: int, conv: bool) -> torch.Tensor:
@@ -93,7 +87,11 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "mlp_as_view": {"kwargs": {"gradient_as_bucket_view": True}},
     "allreduce_hook": {"hook": ("allreduce", default_hooks.allreduce_hook)},
     "fp16_hook": {"hook": ("fp16", default_hooks.fp16_compress_hook), "tolerance": 1e-3},
-    "big_halves": {"build": big, "kwargs": {"bucket_cap_mb": 25, "first_bucket_cap_mb": 1}, "halves": True},
+    "big_halves": {
+        "build": wide_4mib_mlp,
+        "kwargs": {"bucket_cap_mb": 25, "first_bucket_cap_mb": 1},
+        "halves": True,
+    },
 }
 
 
