@@ -8,6 +8,7 @@ are compared; the first difference fails on the rank that sees it, naming step a
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any, Callable
 
 import torch
@@ -92,12 +93,26 @@ def train_side_by_side(
     return {
         "params": {n: p.detach().clone() for n, p in ours.module.named_parameters()},
         "plans": plans,
-        # which buckets our default path reduced as two halves (two CPU ranks, large buckets)
-        "halves": [ours.reducer.reduces_in_halves(b) for b in range(len(ours.reducer.buckets))],
+        "path": default_path(ours),
     }
+
+
+def default_path(model: lightning_ddpx.DistributedDataParallel) -> str:
+    """How ``model``'s default path reduces its buckets: ``shared_memory``, ``halves`` (any bucket) or
+    ``whole`` (one all-reduce per bucket)."""
+    reducer = model.reducer
+    if reducer.reduces_through_shared_memory:
+        return "shared_memory"
+    return "halves" if any(reducer.reduces_in_halves(b) for b in range(len(reducer.buckets))) else "whole"
+
+
+def set_shared_memory(enabled: bool) -> None:
+    """In a test's worker process, before building the module: allow (the default) or refuse the
+    shared-memory path (``DDPX_SHARED_MEMORY``, read when the module is built)."""
+    os.environ["DDPX_SHARED_MEMORY"] = "1" if enabled else "0"
 
 
 def wide_4mib_mlp() -> nn.Module:
     """A 1024 x 1024 layer (4 MiB): with the default caps its bucket is large enough to go out as two halves
-    between two CPU ranks (lightning_ddpx.engine.reducer._sum_allreduce_in_halves)."""
+    between two CPU ranks when shared memory is off (lightning_ddpx.engine.reducer._sum_allreduce_in_halves)."""
     return nn.Sequential(nn.Linear(16, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 4))

@@ -15,7 +15,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 import lightning_ddpx
 from tests.dist_utils import run_distributed
-from tests.oracle import rank_batch, train_side_by_side, wide_4mib_mlp
+from tests.oracle import rank_batch, set_shared_memory, train_side_by_side, wide_4mib_mlp
 
 SMALL_BUCKETS = {"bucket_cap_mb": 0.004, "first_bucket_cap_mb": 0.001}  # ~1000 and ~250 floats
 STEPS = 10
@@ -134,6 +134,7 @@ def run_scenario(rank: int, world_size: int, name: str, accumulate: int = 1) -> 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_matches_torch_ddp_two_ranks(name: str) -> None:
     results = run_distributed(run_scenario, 2, name)
+    assert [result["path"] for result in results] == ["shared_memory"] * 2  # two CPU ranks, one machine
     for param_name, value in results[0]["params"].items():  # replicas stay identical
         torch.testing.assert_close(value, results[1]["params"][param_name], rtol=0, atol=0)
 
@@ -148,7 +149,7 @@ def test_no_sync_accumulation_matches_torch(name: str) -> None:
     run_distributed(run_scenario, 2, name, 3)
 
 
-# ------------------------------------------------------------------------- large buckets in halves
+# ------------------------------------------------------- large buckets: shared memory, or gloo in halves
 BIG_SCENARIOS: dict[str, dict] = {
     "plain": {},
     "as_view": {"gradient_as_bucket_view": True},
@@ -157,7 +158,15 @@ BIG_SCENARIOS: dict[str, dict] = {
 }
 
 
-def run_big(rank: int, world_size: int, name: str, accumulate: int = 1, torch_hook: bool = False) -> dict:
+def run_big(
+    rank: int,
+    world_size: int,
+    name: str,
+    accumulate: int = 1,
+    torch_hook: bool = False,
+    shared_memory: bool = True,
+) -> dict:
+    set_shared_memory(shared_memory)
     kwargs = BIG_SCENARIOS[name]
     hooks = (
         ((None, default_hooks.allreduce_hook), (None, default_hooks.allreduce_hook)) if torch_hook else None
@@ -182,23 +191,31 @@ def run_big(rank: int, world_size: int, name: str, accumulate: int = 1, torch_ho
 
 
 @pytest.mark.parametrize("name", sorted(BIG_SCENARIOS))
-def test_large_buckets_in_halves_are_bit_identical_to_torch(name: str) -> None:
+def test_shared_memory_sums_are_bit_identical_to_torch(name: str) -> None:
     results = run_distributed(run_big, 2, name)
-    assert all(any(result["halves"]) for result in results), [result["halves"] for result in results]
+    assert [result["path"] for result in results] == ["shared_memory"] * 2
 
 
-def test_large_buckets_in_halves_under_no_sync_accumulation() -> None:
-    results = run_distributed(run_big, 2, "plain", 3)
-    assert all(any(result["halves"]) for result in results)
+@pytest.mark.parametrize("name", sorted(BIG_SCENARIOS))
+def test_large_buckets_in_halves_are_bit_identical_to_torch(name: str) -> None:
+    results = run_distributed(run_big, 2, name, 1, False, False)  # shared memory off: gloo in halves
+    assert [result["path"] for result in results] == ["halves"] * 2
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shared_memory", "halves"])
+def test_large_buckets_under_no_sync_accumulation(shared_memory: bool) -> None:
+    results = run_distributed(run_big, 2, "plain", 3, False, shared_memory)
+    assert [result["path"] for result in results] == ["shared_memory" if shared_memory else "halves"] * 2
 
 
 def test_large_buckets_stay_whole_with_three_ranks_or_a_registered_hook() -> None:
-    """Three ranks: gloo's ring would sum the halves in another order than torch's one all-reduce; a
-    registered hook must see whole buckets. Both keep one collective per bucket and match torch."""
+    """Three ranks: gloo's ring would sum in another order than a + b (no halves, no shared memory); a
+    registered hook must see whole buckets and run its own collectives. Both keep one gloo collective per
+    bucket and match torch."""
     for result in run_distributed(run_big, 3, "plain"):
-        assert not any(result["halves"])
+        assert result["path"] == "whole"
     for result in run_distributed(run_big, 2, "plain", 1, True):
-        assert not any(result["halves"])
+        assert result["path"] == "whole"
 
 
 def test_branch_unused_everywhere_keeps_grad_none() -> None:

@@ -21,7 +21,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 import lightning_ddpx
 from lightning_ddpx import hooks
 from tests.dist_utils import run_distributed
-from tests.oracle import rank_batch, wide_4mib_mlp
+from tests.oracle import default_path, rank_batch, set_shared_memory, wide_4mib_mlp
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -87,10 +87,17 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "mlp_as_view": {"kwargs": {"gradient_as_bucket_view": True}},
     "allreduce_hook": {"hook": ("allreduce", default_hooks.allreduce_hook)},
     "fp16_hook": {"hook": ("fp16", default_hooks.fp16_compress_hook), "tolerance": 1e-3},
+    # large buckets between two ranks: summed through shared memory, or (shared memory off) gloo in halves
+    "big_shared_memory": {
+        "build": wide_4mib_mlp,
+        "kwargs": {"bucket_cap_mb": 25, "first_bucket_cap_mb": 1},
+        "path": "shared_memory",
+    },
     "big_halves": {
         "build": wide_4mib_mlp,
         "kwargs": {"bucket_cap_mb": 25, "first_bucket_cap_mb": 1},
-        "halves": True,
+        "shared_memory": False,
+        "path": "halves",
     },
 }
 
@@ -104,6 +111,7 @@ def run_against_torch(rank: int, world_size: int, names: list[str]) -> dict[str,
         base = scenario.get("build", mlp)()
         kwargs = {**SMALL_BUCKETS, **scenario.get("kwargs", {})}
         torch_kwargs = {k: v for k, v in kwargs.items() if k not in ("first_bucket_cap_mb",)}
+        set_shared_memory(scenario.get("shared_memory", True))
         ours = lightning_ddpx.DistributedDataParallel(copy.deepcopy(base), **kwargs)
         theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), **torch_kwargs)
         if "hook" in scenario:
@@ -119,9 +127,11 @@ def run_against_torch(rank: int, world_size: int, names: list[str]) -> dict[str,
                 scenario.get("accumulate", 1),
                 scenario.get("join", {}),
             )
-        if "halves" in scenario:  # two ranks reduce the large bucket in halves; three keep it whole
-            halves = any(ours.reducer.reduces_in_halves(b) for b in range(len(ours.reducer.buckets)))
-            assert halves == (world_size == 2), f"{name}: halves {halves} on {world_size} ranks"
+        # two ranks take the scenario's path; three keep one all-reduce per bucket
+        expected = scenario.get("path", "shared_memory") if world_size == 2 else "whole"
+        if "hook" not in scenario:
+            path = default_path(ours)
+            assert path == expected, f"{name}: {path} on {world_size} ranks, expected {expected}"
         results[name] = {
             "ours": _params(ours),
             "torch": _params(theirs),

@@ -37,6 +37,7 @@ from lightning_ddpx.engine.grad_bucket import (
 from lightning_ddpx.engine.graph import reachable_parameter_indices
 from lightning_ddpx.engine.launcher import InlineLauncher, SequencedLauncher
 from lightning_ddpx.engine.profiling import label
+from lightning_ddpx.engine.shared_memory import SharedMemoryExchange, open_exchange
 from lightning_ddpx.engine.static_graph import StaticGraph
 
 __all__ = ["Reducer"]
@@ -147,6 +148,11 @@ class Reducer:
         # Two CPU ranks, default path: reduce large buckets as two halves (off only to measure what that gains;
         # set it alike on every rank, as the collectives differ)
         self.split_large_buckets = True
+        # Two CPU ranks on one machine, default path: sum buckets through shared memory instead of gloo's
+        # loopback (lightning_ddpx.engine.shared_memory); off only to measure what that gains (set it alike on
+        # every rank: the collectives differ)
+        self.shared_memory: SharedMemoryExchange | None = self._open_shared_memory()
+        self.use_shared_memory = True
 
         self.phase = Phase.IDLE
         self.iterations_synced = 0  # completed synchronised backwards
@@ -191,8 +197,18 @@ class Reducer:
                 self._position_of[index] = position
         if self.gradient_as_bucket_view:
             self._alias_grads_to_buckets()
+        if self.shared_memory is not None:
+            self.shared_memory.set_layout([bucket.nbytes for bucket in self.buckets])
         self.plan_history.append((self.iterations_synced, self.bucket_infos()))
         self._reset_iteration()
+
+    def _open_shared_memory(self) -> SharedMemoryExchange | None:
+        """Two gloo ranks with CPU parameters: map the shared-memory slots (collective; ``None`` on every rank
+        when they are on different machines or any rank cannot)."""
+        on_cpu = all(p.device.type == "cpu" for p in self.params)
+        if self.world_size != 2 or not on_cpu or dist.get_backend(self.process_group) != "gloo":
+            return None
+        return open_exchange(self.process_group, [p.numel() * p.element_size() for p in self.params])
 
     def _plan_last_bucket_chunks(self) -> list[tuple[int, int]] | None:
         """With the overlap, on the CPU: the element ranges in which the default path reduces the last
@@ -553,15 +569,25 @@ class Reducer:
         last bucket under the overlap)."""
         if b == len(self.buckets) - 1 and self.reduces_last_bucket_in_chunks:
             return self._sum_allreduce_in_chunks
+        if self.reduces_through_shared_memory:
+            assert self.shared_memory is not None
+            return self.shared_memory.sum_hook
         if self.reduces_in_halves(b):
             return _sum_allreduce_in_halves
         return self.hook
 
+    @property
+    def reduces_through_shared_memory(self) -> bool:
+        """Whether buckets (but the last one under the overlap, in chunks) are summed through shared memory
+        (default path, two CPU ranks on one machine: :mod:`lightning_ddpx.engine.shared_memory`)."""
+        return self.shared_memory is not None and self.use_shared_memory and self.hook is _sum_allreduce_hook
+
     def reduces_in_halves(self, b: int) -> bool:
-        """Whether bucket ``b`` goes out as two all-reduces of its halves (default path, two CPU ranks,
-        at least ``_HALVES_MIN_BYTES``: see :func:`_sum_allreduce_in_halves`)."""
+        """Whether bucket ``b`` goes out as two all-reduces of its halves (default path, two CPU ranks not
+        using shared memory, at least ``_HALVES_MIN_BYTES``: see :func:`_sum_allreduce_in_halves`)."""
         return (
             self.split_large_buckets
+            and not self.reduces_through_shared_memory
             and self.hook is _sum_allreduce_hook
             and self.world_size == 2
             and not self._on_cuda
