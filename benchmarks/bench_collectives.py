@@ -13,7 +13,11 @@ barrier, rounds rotated:
 - ``N pieces``: ``N`` ``all_reduce`` calls on consecutive slices, issued together, waited in order;
 - ``rs+ag``: ``reduce_scatter_tensor`` then ``all_gather_into_tensor``;
 - ``halves``: each rank sends the other the half it does not own (``isend``/``irecv``), sums its own half,
-  then the halves are exchanged back: a ring all-reduce for two ranks, written with point-to-point calls.
+  then the halves are exchanged back: a ring all-reduce for two ranks, written with point-to-point calls;
+- ``shared memory``: the engine's own path for two ranks on one machine
+  (:mod:`lightning_ddpx.engine.shared_memory`): each rank copies into its slot of a shared file, a
+  one-element all-reduce says both are written, each adds the other's slot. Absent over ``--link``, which
+  stands for two machines.
 
 Every contender's result is checked equal to ``a + b`` (two ranks: the sum is exact in either order).
 Printed: median milliseconds and the ratio to ``whole`` per buffer size.
@@ -35,6 +39,8 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks.common import format_table, launch  # noqa: E402
 from lightning_ddpx.bench.timing import rotated  # noqa: E402
+from lightning_ddpx.engine.grad_bucket import GradBucket  # noqa: E402
+from lightning_ddpx.engine.shared_memory import SharedMemoryExchange, open_exchange  # noqa: E402
 
 PIECE_COUNTS = (2, 4, 8)
 
@@ -70,13 +76,22 @@ def _halves(buffer: torch.Tensor) -> None:
         work.wait()
 
 
-def contenders() -> dict[str, Callable[[torch.Tensor], None]]:
-    """Name -> function summing a buffer in place across the two ranks."""
+def _through(exchange: SharedMemoryExchange) -> Callable[[torch.Tensor], None]:
+    def reduce(buffer: torch.Tensor) -> None:
+        exchange.set_layout([buffer.numel() * buffer.element_size()])
+        exchange.sum_hook(dist.group.WORLD, GradBucket(0, buffer, [buffer], [], True)).wait()
+
+    return reduce
+
+
+def contenders(exchange: SharedMemoryExchange | None = None) -> dict[str, Callable[[torch.Tensor], None]]:
+    """Name -> function summing a buffer in place across the two ranks (``shared memory`` with an exchange)."""
     return {
         "whole": _whole,
         **{f"{n} pieces": _in_pieces(n) for n in PIECE_COUNTS},
         "rs+ag": _reduce_scatter_all_gather,
         "halves": _halves,
+        **({"shared memory": _through(exchange)} if exchange is not None else {}),
     }
 
 
@@ -84,10 +99,10 @@ def collective_rank(rank: int, world_size: int, sizes_mb: list[float], repeats: 
     """One rank: median milliseconds per contender and size; raises if a contender's sum is wrong."""
     if world_size != 2:
         raise ValueError(f"bench_collectives compares two-rank reductions; got world size {world_size}")
-    cases = contenders()
+    numels = [2 * max(1, int(size_mb * 1e6 / 4) // 2) for size_mb in sizes_mb]  # even: the halves are equal
+    cases = contenders(open_exchange(dist.group.WORLD, [4 * max(numels)]))  # None over --link
     out: dict[str, Any] = {}
-    for size_mb in sizes_mb:
-        numel = 2 * max(1, int(size_mb * 1e6 / 4) // 2)  # even: the halves are equal
+    for size_mb, numel in zip(sizes_mb, numels):
         local = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
         other = torch.randn(numel, generator=torch.Generator().manual_seed(1 - rank))
         expected = local + other
@@ -115,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--link", default=None, help="tc rate of an emulated link, e.g. 1gbit (root)")
     args = parser.parse_args(argv)
     results = launch(collective_rank, (args.sizes_mb, args.repeats), link=args.link)[0]
-    names = list(contenders())
+    names = list(next(iter(results.values())))
     print(f"2-rank gloo sum of one float32 buffer over {args.link or 'loopback'}: median ms (ratio to whole)")
     rows = [
         [size, *(f"{ms[name]:.2f} ({ms[name] / ms['whole']:.2f})" for name in names)]

@@ -197,3 +197,4 @@ def test_slices_benchmark_runs_end_to_end() -> None:
 def test_collectives_benchmark_runs_end_to_end() -> None:
     completed = run_benchmark("bench_collectives.py", "--sizes-mb", "0.01", "--repeats", "1")
     assert "halves" in completed.stdout and "0.0 MB" in completed.stdout
+    assert "shared memory" in completed.stdout  # the engine's own two-rank path, on one machine

@@ -238,6 +238,8 @@ class VethLink:
             "GLOO_SOCKET_IFNAME": interface,
             "TP_SOCKET_IFNAME": interface,
             "MASTER_ADDR": self.addresses[0],
+            # the nodes stand for two machines, which share no memory: every byte must cross the link
+            "DDPX_SHARED_MEMORY": "0",
         }
 
     def set_link(self, up: bool) -> None:

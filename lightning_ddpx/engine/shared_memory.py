@@ -77,11 +77,7 @@ class SharedMemoryExchange:
         for nbytes in bucket_bytes:
             offsets.append(offset)
             offset += _aligned(nbytes)
-        if offset > self._slots.shape[2]:
-            raise RuntimeError(
-                f"lightning_ddpx: shared-memory slots of {self._slots.shape[2]} bytes cannot hold buckets of "
-                f"{offset} bytes (this is a bug: please report it)"
-            )
+        assert offset <= self._slots.shape[2], "region_bytes_bound holds every layout of whole parameters"
         self._offsets = offsets
 
     def _slot(self, generation: int, rank: int, b: int, like: torch.Tensor) -> torch.Tensor:
