@@ -79,6 +79,7 @@ def _halves(buffer: torch.Tensor) -> None:
 def _through(exchange: SharedMemoryExchange) -> Callable[[torch.Tensor], None]:
     def reduce(buffer: torch.Tensor) -> None:
         exchange.set_layout([buffer.numel() * buffer.element_size()])
+        exchange.next_generation()  # what the reducer does as each backward starts
         exchange.sum_hook(dist.group.WORLD, GradBucket(0, buffer, [buffer], [], True)).wait()
 
     return reduce

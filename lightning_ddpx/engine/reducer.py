@@ -89,7 +89,7 @@ class Phase(enum.Enum):
 class _Bucket:
     """Runtime storage for one :class:`BucketSpec`: the flat buffer and per-parameter views into it."""
 
-    __slots__ = ("spec", "buffer", "views", "params", "nbytes", "names", "fused_scale")
+    __slots__ = ("spec", "buffer", "views", "params", "nbytes", "names", "fused_scale", "slot_views")
 
     def __init__(self, spec: BucketSpec, params: Sequence[torch.nn.Parameter], names: Sequence[str]) -> None:
         self.spec = spec
@@ -103,6 +103,8 @@ class _Bucket:
         ]
         # Large gradients on average: scale while copying, one fused multiply per parameter (see above).
         self.fused_scale = spec.numel >= _FUSED_SCALE_MIN_AVERAGE_NUMEL * len(self.params)
+        # two CPU ranks, shared memory: per generation, this rank's slot and views into it like ``views``
+        self.slot_views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
 
 
 class Reducer:
@@ -153,6 +155,8 @@ class Reducer:
         # every rank: the collectives differ)
         self.shared_memory: SharedMemoryExchange | None = self._open_shared_memory()
         self.use_shared_memory = True
+        # and copy gradients straight into this rank's slot (off only to measure what that gains)
+        self.fill_slots_directly = True
 
         self.phase = Phase.IDLE
         self.iterations_synced = 0  # completed synchronised backwards
@@ -323,6 +327,8 @@ class Reducer:
             )
         state = self.hook_state
         launched: list[tuple[int, torch.futures.Future]] = []
+        if self.shared_memory is not None:
+            self.shared_memory.next_generation()  # as the active ranks do when their backward starts
         with label("lightning_ddpx::join_shadow"):
             for b, bucket in enumerate(self.buckets):
                 zeros = torch.zeros_like(bucket.buffer)
@@ -422,6 +428,8 @@ class Reducer:
 
     def _begin_reduction(self) -> None:
         self.phase = Phase.REDUCING
+        if self.shared_memory is not None:
+            self.shared_memory.next_generation()  # every reduction, so that it stays in step with the other rank
         queue_backward_callback(self._finalize)
         unused, self._forward_unused = self._forward_unused, set()
         for index in sorted(unused):
@@ -500,9 +508,13 @@ class Reducer:
             stream = current_stream(bucket.buffer.device)  # None off CUDA
             others = self._other_producing_streams(bucket, stream)
             self._launch_streams[b] = stream
+            hook = self._hook_for(b)
             if not self.gradient_as_bucket_view:
                 if others:
                     self._copy_on_producing_streams(b, bucket, self._scale_on_copy, stream)
+                elif self.fill_slots_directly and hook == self._sum_through_shared_memory:  # one copy less
+                    self._copy_grads_into(b, bucket, self._scale_on_copy, self._own_slot_views(bucket, b))
+                    hook = self._sum_filled_shared_memory
                 else:
                     self._copy_grads_into(b, bucket, self._scale_on_copy)
             else:
@@ -519,7 +531,6 @@ class Reducer:
                 "bucket {} of {} ({}) in iteration {}", b, len(self.buckets), self._hook_name,
                 self.iterations_synced + 1,
             )  # fmt: skip
-            hook = self._hook_for(b)
             call = on_stream(stream, self._hook_call(hook, grad_bucket, bucket.nbytes))  # also on comm thread
             if self.progress.debug:
                 call = self._checked(call, b, (self._forwards_armed, self._reductions + 1))
@@ -570,11 +581,37 @@ class Reducer:
         if b == len(self.buckets) - 1 and self.reduces_last_bucket_in_chunks:
             return self._sum_allreduce_in_chunks
         if self.reduces_through_shared_memory:
-            assert self.shared_memory is not None
-            return self.shared_memory.sum_hook
+            return self._sum_through_shared_memory
         if self.reduces_in_halves(b):
             return _sum_allreduce_in_halves
         return self.hook
+
+    def _sum_through_shared_memory(
+        self, process_group: dist.ProcessGroup, bucket: GradBucket
+    ) -> torch.futures.Future:
+        assert self.shared_memory is not None
+        return self.shared_memory.sum_hook(process_group, bucket)
+
+    def _sum_filled_shared_memory(
+        self, process_group: dist.ProcessGroup, bucket: GradBucket
+    ) -> torch.futures.Future:
+        assert self.shared_memory is not None
+        return self.shared_memory.sum_filled_hook(process_group, bucket)
+
+    def _own_slot_views(self, bucket: _Bucket, b: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """This rank's shared-memory slot for bucket ``b`` in this reduction, and views into it shaped like
+        the bucket's parameters (made once per generation: a view costs about as much as copying 4 KB)."""
+        exchange = self.shared_memory
+        assert exchange is not None
+        cached = bucket.slot_views.get(exchange.generation)
+        if cached is None:
+            slot = exchange.own_slot(b, bucket.buffer)
+            views = [
+                slot[offset : offset + p.numel()].view_as(p)
+                for offset, p in zip(bucket.spec.offsets, bucket.params)
+            ]
+            cached = bucket.slot_views[exchange.generation] = (slot, views)
+        return cached
 
     @property
     def reduces_through_shared_memory(self) -> bool:
@@ -663,16 +700,24 @@ class Reducer:
         return call_hook
 
     @torch.no_grad()
-    def _copy_grads_into(self, b: int, bucket: _Bucket, scale: float | None) -> None:
-        """Fill the bucket from ``param.grad`` (zero for locally unused parameters), times ``scale`` if given."""
+    def _copy_grads_into(
+        self,
+        b: int,
+        bucket: _Bucket,
+        scale: float | None,
+        target: tuple[torch.Tensor, list[torch.Tensor]] | None = None,
+    ) -> None:
+        """Fill the bucket (or ``target``: a flat buffer laid out like it, and its per-parameter views) from
+        ``param.grad`` (zero for locally unused parameters), times ``scale`` if given."""
+        buffer, views = target if target is not None else (bucket.buffer, bucket.views)
         fused = scale is not None and bucket.fused_scale
         if self._unused_in_bucket[b] == 0 and not fused:
-            foreach_copy_(bucket.views, [p.grad for p in bucket.params])
+            foreach_copy_(views, [p.grad for p in bucket.params])
             if scale is not None:
-                bucket.buffer.mul_(scale)
+                buffer.mul_(scale)
             return
         used = self._locally_used
-        for index, param, view in zip(bucket.spec.param_indices, bucket.params, bucket.views):
+        for index, param, view in zip(bucket.spec.param_indices, bucket.params, views):
             if not used[index]:
                 view.zero_()
             elif scale is None:

@@ -10,11 +10,14 @@ With two ranks every element is ``a + b`` on both sides (IEEE addition is commut
 bit-identical to gloo's all-reduce and to torch's DDP. More ranks would sum in another order than gloo's
 ring: not used there.
 
-Safety of the slots without a second barrier: the file holds two generations, and a rank switches
-generation at every bucket 0 (each reduction, real or a joined rank's shadow, starts with bucket 0). A rank
-writes generation ``g`` again two reductions later, after the first barrier of the reduction in between;
-the other rank reaches that barrier only after its end of backward waited for every add it did from
-generation ``g``. So a slot is never overwritten while it is being read.
+Safety of the slots without a second barrier: the file holds two generations, and the reducer switches
+generation at the start of every reduction (real, or a joined rank's shadow: the ranks go through the
+same sequence). A rank writes generation ``g`` again two reductions later, after the first barrier of the
+reduction in between; the other rank reaches that barrier only after its end of backward waited for every
+add it did from generation ``g``. So a slot is never overwritten while it is being read.
+
+The reducer copies gradients straight into its slot when it can (:meth:`SharedMemoryExchange.own_slot`,
+then :meth:`SharedMemoryExchange.sum_filled_hook`): one pass over the gradients instead of two.
 
 Set-up is collective and falls back to gloo on every rank when any rank cannot take part: another
 machine (the file rank 0 made is not there, or holds another token), too little room in ``/dev/shm``, or
@@ -80,6 +83,19 @@ class SharedMemoryExchange:
         assert offset <= self._slots.shape[2], "region_bytes_bound holds every layout of whole parameters"
         self._offsets = offsets
 
+    @property
+    def generation(self) -> int:
+        """Which of the two generations of slots the current reduction uses (0 or 1)."""
+        return self._generation
+
+    def next_generation(self) -> None:
+        """A reduction starts (on every rank, in the same sequence): use the other generation's slots."""
+        self._generation ^= 1
+
+    def own_slot(self, b: int, like: torch.Tensor) -> torch.Tensor:
+        """This rank's slot for bucket ``b`` in the current reduction, shaped and typed like ``like``."""
+        return self._slot(self._generation, self.rank, b, like)
+
     def _slot(self, generation: int, rank: int, b: int, like: torch.Tensor) -> torch.Tensor:
         start = self._offsets[b]
         nbytes = payload_bytes(like)
@@ -87,13 +103,15 @@ class SharedMemoryExchange:
 
     def sum_hook(self, process_group: dist.ProcessGroup, bucket: GradBucket) -> torch.futures.Future:
         """The default path's hook: the bucket summed over both ranks, written back into its buffer."""
+        self.own_slot(bucket.index(), bucket.buffer()).copy_(bucket.buffer())
+        return self.sum_filled_hook(process_group, bucket)
+
+    def sum_filled_hook(self, process_group: dist.ProcessGroup, bucket: GradBucket) -> torch.futures.Future:
+        """:meth:`sum_hook` when the caller already wrote the bucket into :meth:`own_slot`: the sum goes to
+        ``bucket.buffer()``."""
         b, buffer = bucket.index(), bucket.buffer()
-        if b == 0:
-            self._generation ^= 1
-        generation = self._generation
-        mine = self._slot(generation, self.rank, b, buffer)
-        other = self._slot(generation, self._other, b, buffer)
-        mine.copy_(buffer)
+        mine = self._slot(self._generation, self.rank, b, buffer)
+        other = self._slot(self._generation, self._other, b, buffer)
         record_bytes_sent(bucket, payload_bytes(buffer))
         both_written = dist.all_reduce(torch.zeros(1), group=process_group, async_op=True).get_future()
 
