@@ -101,7 +101,7 @@ def collective_rank(rank: int, world_size: int, sizes_mb: list[float], repeats: 
     if world_size != 2:
         raise ValueError(f"bench_collectives compares two-rank reductions; got world size {world_size}")
     numels = [2 * max(1, int(size_mb * 1e6 / 4) // 2) for size_mb in sizes_mb]  # even: the halves are equal
-    cases = contenders(open_exchange(dist.group.WORLD, [4 * max(numels)]))  # None over --link
+    cases = contenders(open_exchange(dist.group.WORLD, [4 * max(numels)])[0])  # None over --link
     out: dict[str, Any] = {}
     for size_mb, numel in zip(sizes_mb, numels):
         local = torch.randn(numel, generator=torch.Generator().manual_seed(rank))

@@ -30,8 +30,8 @@ pytestmark = pytest.mark.timeout(120)
 # ------------------------------------------------------------------------------- one process
 def test_map_accepts_only_the_file_rank_0_made() -> None:
     total = 4096
-    path, token = shared_memory._create(total)
-    assert path is not None and token is not None
+    path, token, refusal = shared_memory._create(total)
+    assert path is not None and token is not None and refusal is None
     try:
         mapped = shared_memory._map(path, token, total)
         assert mapped is not None and mapped[0].numel() == total
@@ -45,7 +45,9 @@ def test_map_accepts_only_the_file_rank_0_made() -> None:
 def test_create_refuses_when_dev_shm_lacks_room(monkeypatch: pytest.MonkeyPatch) -> None:
     free = os.statvfs("/dev/shm")
     monkeypatch.setattr(shared_memory, "_HEADROOM_BYTES", free.f_bavail * free.f_frsize)
-    assert shared_memory._create(4096) == (None, None)
+    path, token, refusal = shared_memory._create(4096)
+    assert path is None and token is None
+    assert refusal is not None and "MiB free" in refusal and "--shm-size" in refusal
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -83,8 +85,13 @@ def run_refusal(rank: int, world_size: int, how: str) -> dict:
     if rank == 1 and how == "another_machine":  # the file rank 0 announces does not exist here
         real_map = shared_memory._map
         shared_memory._map = lambda path, token, total: real_map(path + "_elsewhere", token, total)
+    model = lightning_ddpx.DistributedDataParallel(mlp())
     result = train_side_by_side(rank, mlp, mlp_loss, 4, rtol=0, atol=0)
-    return {**result, "files_left": _our_files() if rank == 0 else []}
+    return {
+        **result,
+        "refusal": model.reducer.shared_memory_refusal,
+        "files_left": _our_files() if rank == 0 else [],
+    }
 
 
 @pytest.mark.parametrize("how", ["switched_off", "another_machine"])
@@ -92,17 +99,35 @@ def test_every_rank_falls_back_to_gloo_when_one_cannot_take_part(how: str) -> No
     results = run_distributed(run_refusal, 2, how)
     assert [result["path"] for result in results] == ["whole", "whole"]
     assert results[0]["files_left"] == []
+    refusals = [result["refusal"] for result in results]  # each rank says why, naming the cause on rank 1
+    assert "could not map" in refusals[0], refusals
+    expected = (
+        "DDPX_SHARED_MEMORY=0 in this rank's environment"
+        if how == "switched_off"
+        else "not on this rank's machine"
+    )
+    assert expected in refusals[1], refusals
 
 
 def run_construction(rank: int, world_size: int) -> dict:
     model = lightning_ddpx.DistributedDataParallel(mlp())
-    return {"path": default_path(model), "files_left": _our_files() if rank == 0 else []}
+    return {
+        "path": default_path(model),
+        "refusal": model.reducer.shared_memory_refusal,
+        "files_left": _our_files() if rank == 0 else [],
+    }
 
 
 def test_the_shared_file_is_gone_once_every_rank_mapped_it() -> None:
     results = run_distributed(run_construction, 2)
     assert [result["path"] for result in results] == ["shared_memory"] * 2
+    assert [result["refusal"] for result in results] == [None, None]
     assert results[0]["files_left"] == []
+
+
+def test_three_ranks_say_why_they_use_gloo() -> None:
+    for result in run_distributed(run_construction, 3):
+        assert result["path"] == "whole" and "3 ranks" in result["refusal"], result
 
 
 class Deep(nn.Module):
@@ -169,3 +194,21 @@ def test_slots_survive_ranks_drifting_apart() -> None:
     results = run_distributed(run_drifting, 2, timeout=180)
     assert [result["path"] for result in results] == ["shared_memory"] * 2
     assert results[0]["buckets"] >= 6, results[0]["buckets"]
+
+
+def run_dtype(rank: int, world_size: int, dtype_name: str) -> dict:
+    dtype = getattr(torch, dtype_name)
+    return train_side_by_side(
+        rank, lambda: mlp().to(dtype), lambda m, s: mlp_loss_as(m, s, dtype), 4, rtol=0, atol=0
+    )
+
+
+def mlp_loss_as(model: nn.Module, step: int, dtype: torch.dtype) -> torch.Tensor:
+    rank = dist.get_rank()
+    return model(rank_batch(rank, step, (8, 16)).to(dtype)).float().pow(2).mean() * (rank + 1)
+
+
+@pytest.mark.parametrize("dtype_name", ["float64", "bfloat16", "float16"])
+def test_other_dtypes_sum_bit_identically_to_torch(dtype_name: str) -> None:
+    results = run_distributed(run_dtype, 2, dtype_name)
+    assert [result["path"] for result in results] == ["shared_memory"] * 2

@@ -153,7 +153,9 @@ class Reducer:
         # Two CPU ranks on one machine, default path: sum buckets through shared memory instead of gloo's
         # loopback (lightning_ddpx.engine.shared_memory); off only to measure what that gains (set it alike on
         # every rank: the collectives differ)
-        self.shared_memory: SharedMemoryExchange | None = self._open_shared_memory()
+        self.shared_memory: SharedMemoryExchange | None = None
+        self.shared_memory_refusal: str | None = None  # why not, when shared memory is not set up
+        self.shared_memory, self.shared_memory_refusal = self._open_shared_memory()
         self.use_shared_memory = True
         # and copy gradients straight into this rank's slot (off only to measure what that gains)
         self.fill_slots_directly = True
@@ -206,12 +208,17 @@ class Reducer:
         self.plan_history.append((self.iterations_synced, self.bucket_infos()))
         self._reset_iteration()
 
-    def _open_shared_memory(self) -> SharedMemoryExchange | None:
-        """Two gloo ranks with CPU parameters: map the shared-memory slots (collective; ``None`` on every rank
-        when they are on different machines or any rank cannot)."""
-        on_cpu = all(p.device.type == "cpu" for p in self.params)
-        if self.world_size != 2 or not on_cpu or dist.get_backend(self.process_group) != "gloo":
-            return None
+    def _open_shared_memory(self) -> tuple[SharedMemoryExchange | None, str | None]:
+        """Two gloo ranks with CPU parameters: map the shared-memory slots (collective; none on every rank
+        when they are on different machines or any rank cannot). Returns the exchange, or why not."""
+        backend = dist.get_backend(self.process_group)
+        if self.world_size != 2:
+            return (
+                None,
+                f"{self.world_size} ranks: shared memory serves two (more would not sum like gloo's ring)",
+            )
+        if not all(p.device.type == "cpu" for p in self.params) or backend != "gloo":
+            return None, f"parameters not all on the CPU, or backend {backend!r} rather than gloo"
         return open_exchange(self.process_group, [p.numel() * p.element_size() for p in self.params])
 
     def _plan_last_bucket_chunks(self) -> list[tuple[int, int]] | None:

@@ -129,10 +129,11 @@ class SharedMemoryExchange:
 
 def open_exchange(
     process_group: dist.ProcessGroup, param_bytes: Sequence[int]
-) -> SharedMemoryExchange | None:
-    """Collective: map one shared file on every rank, or return ``None`` on every rank if any cannot.
+) -> tuple[SharedMemoryExchange | None, str | None]:
+    """Collective: map one shared file on every rank, or on none if any rank cannot.
 
-    Call on every rank of a two-rank gloo group whose parameters are on the CPU.
+    Call on every rank of a two-rank gloo group whose parameters are on the CPU. Returns the exchange and
+    ``None``, or ``None`` and why this rank falls back to gloo.
     """
     rank = dist.get_rank(process_group)
     world_size = dist.get_world_size(process_group)
@@ -140,13 +141,18 @@ def open_exchange(
     total = _TOKEN_BYTES_ALIGNED + 2 * world_size * slot_bytes
     wanted = os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
 
-    path, token = None, None
+    announced: list[object] = [None, None, f"{ENV_SWITCH}=0 on rank 0"]
     if rank == 0 and wanted:
-        path, token = _create(total)
-    announced: list[object] = [path, token]
+        announced = list(_create(total))
     dist.broadcast_object_list(announced, group=process_group, group_src=0)
-    path, token = announced
-    mapped = _map(path, token, total) if (wanted and isinstance(path, str)) else None
+    path, token, refusal = announced
+    mapped = None
+    if not wanted:
+        refusal = f"{ENV_SWITCH}=0 in this rank's environment"
+    elif isinstance(path, str):
+        mapped = _map(path, token, total)
+        if mapped is None:
+            refusal = f"the file rank 0 made ({path}) is not on this rank's machine"
 
     agreed = torch.tensor([1 if mapped is not None else 0], dtype=torch.int32)
     # every rank mapped it, or none uses it
@@ -154,32 +160,48 @@ def open_exchange(
     dist.barrier(group=process_group)
     if rank == 0 and isinstance(path, str):
         os.unlink(path)  # the mappings keep the memory alive; nothing is left behind after exit
-    if not agreed.item() or mapped is None:
-        return None
+    if mapped is None:
+        return None, str(refusal)
+    if not agreed.item():
+        return (
+            None,
+            "the other rank could not map the shared file (its reducer.shared_memory_refusal says why)",
+        )
     storage, mapping = mapped
-    return SharedMemoryExchange(storage, mapping, rank, world_size, slot_bytes)
+    return SharedMemoryExchange(storage, mapping, rank, world_size, slot_bytes), None
 
 
-def _create(total: int) -> tuple[str | None, bytes | None]:
-    """Rank 0: a new file of ``total`` bytes in /dev/shm, its pages reserved, a random token at its start."""
+def _create(total: int) -> tuple[str | None, bytes | None, str | None]:
+    """Rank 0: a new file of ``total`` bytes in /dev/shm, its pages reserved, a random token at its start;
+    or ``None``s and why not."""
+    if not (hasattr(os, "posix_fallocate") and os.path.isdir(_DIRECTORY)):
+        return None, None, f"no {_DIRECTORY} here (not Linux)"
     try:
         free = os.statvfs(_DIRECTORY)
-        if free.f_bavail * free.f_frsize < total + _HEADROOM_BYTES:
-            return None, None
+        available = free.f_bavail * free.f_frsize
+        if available < total + _HEADROOM_BYTES:
+            return (
+                None,
+                None,
+                (
+                    f"{_DIRECTORY} has {available / 2**20:.0f} MiB free; the slots need {total / 2**20:.0f} MiB plus "
+                    f"{_HEADROOM_BYTES / 2**20:.0f} MiB left free (Docker: --shm-size)"
+                ),
+            )
         path = os.path.join(_DIRECTORY, f"lightning_ddpx_{os.getpid()}_{secrets.token_hex(8)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError:
-        return None, None
+    except OSError as error:
+        return None, None, f"rank 0 could not create a file in {_DIRECTORY}: {error}"
     try:
         os.posix_fallocate(fd, 0, total)  # ENOSPC here, not a SIGBUS on first touch during training
         token = secrets.token_bytes(_TOKEN_BYTES)
         os.pwrite(fd, token, 0)
-    except OSError:
+    except OSError as error:
         os.close(fd)
         os.unlink(path)
-        return None, None
+        return None, None, f"rank 0 could not reserve {total / 2**20:.0f} MiB in {_DIRECTORY}: {error}"
     os.close(fd)
-    return path, token
+    return path, token, None
 
 
 def _map(path: str, token: object, total: int) -> tuple[torch.Tensor, mmap.mmap] | None:
