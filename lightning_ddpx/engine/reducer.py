@@ -153,9 +153,9 @@ class Reducer:
         # Two CPU ranks on one machine, default path: sum buckets through shared memory instead of gloo's
         # loopback (lightning_ddpx.engine.shared_memory); off only to measure what that gains (set it alike on
         # every rank: the collectives differ)
-        self.shared_memory: SharedMemoryExchange | None = None
-        self.shared_memory_refusal: str | None = None  # why not, when shared memory is not set up
-        self.shared_memory, self.shared_memory_refusal = self._open_shared_memory()
+        exchange, refusal = self._open_shared_memory()
+        self.shared_memory: SharedMemoryExchange | None = exchange
+        self.shared_memory_refusal: str | None = refusal  # why not, when shared memory is not set up
         self.use_shared_memory = True
         # and copy gradients straight into this rank's slot (off only to measure what that gains)
         self.fill_slots_directly = True
@@ -519,9 +519,14 @@ class Reducer:
             if not self.gradient_as_bucket_view:
                 if others:
                     self._copy_on_producing_streams(b, bucket, self._scale_on_copy, stream)
-                elif self.fill_slots_directly and hook == self._sum_through_shared_memory:  # one copy less
+                elif (
+                    self.fill_slots_directly
+                    and self.shared_memory is not None
+                    and hook == self.shared_memory.sum_hook
+                ):
+                    # straight into this rank's slot: one copy less
                     self._copy_grads_into(b, bucket, self._scale_on_copy, self._own_slot_views(bucket, b))
-                    hook = self._sum_filled_shared_memory
+                    hook = self.shared_memory.sum_filled_hook
                 else:
                     self._copy_grads_into(b, bucket, self._scale_on_copy)
             else:
@@ -587,23 +592,11 @@ class Reducer:
         last bucket under the overlap)."""
         if b == len(self.buckets) - 1 and self.reduces_last_bucket_in_chunks:
             return self._sum_allreduce_in_chunks
-        if self.reduces_through_shared_memory:
-            return self._sum_through_shared_memory
+        if self.shared_memory is not None and self.reduces_through_shared_memory:
+            return self.shared_memory.sum_hook
         if self.reduces_in_halves(b):
             return _sum_allreduce_in_halves
         return self.hook
-
-    def _sum_through_shared_memory(
-        self, process_group: dist.ProcessGroup, bucket: GradBucket
-    ) -> torch.futures.Future:
-        assert self.shared_memory is not None
-        return self.shared_memory.sum_hook(process_group, bucket)
-
-    def _sum_filled_shared_memory(
-        self, process_group: dist.ProcessGroup, bucket: GradBucket
-    ) -> torch.futures.Future:
-        assert self.shared_memory is not None
-        return self.shared_memory.sum_filled_hook(process_group, bucket)
 
     def _own_slot_views(self, bucket: _Bucket, b: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """This rank's shared-memory slot for bucket ``b`` in this reduction, and views into it shaped like
