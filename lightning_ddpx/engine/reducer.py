@@ -86,6 +86,13 @@ class Phase(enum.Enum):
     REDUCING = "reducing"
 
 
+def _param_views(
+    flat: torch.Tensor, spec: BucketSpec, params: Sequence[torch.nn.Parameter]
+) -> list[torch.Tensor]:
+    """Views into ``flat`` (laid out like bucket ``spec``), one per parameter, shaped like it."""
+    return [flat[offset : offset + p.numel()].view_as(p) for offset, p in zip(spec.offsets, params)]
+
+
 class _Bucket:
     """Runtime storage for one :class:`BucketSpec`: the flat buffer and per-parameter views into it."""
 
@@ -97,10 +104,7 @@ class _Bucket:
         self.buffer = torch.zeros(spec.numel, dtype=spec.dtype, device=spec.device)
         self.nbytes = self.buffer.numel() * self.buffer.element_size()
         self.params = [params[i] for i in spec.param_indices]
-        self.views = [
-            self.buffer[offset : offset + p.numel()].view_as(p)
-            for offset, p in zip(spec.offsets, self.params)
-        ]
+        self.views = _param_views(self.buffer, spec, self.params)
         # Large gradients on average: scale while copying, one fused multiply per parameter (see above).
         self.fused_scale = spec.numel >= _FUSED_SCALE_MIN_AVERAGE_NUMEL * len(self.params)
         # two CPU ranks, shared memory: per generation, this rank's slot and views into it like ``views``
@@ -339,10 +343,7 @@ class Reducer:
         with label("lightning_ddpx::join_shadow"):
             for b, bucket in enumerate(self.buckets):
                 zeros = torch.zeros_like(bucket.buffer)
-                views = [
-                    zeros[offset : offset + p.numel()].view_as(p)
-                    for offset, p in zip(bucket.spec.offsets, bucket.params)
-                ]
+                views = _param_views(zeros, bucket.spec, bucket.params)
                 grad_bucket = GradBucket(
                     b, zeros, views, bucket.params, b == len(self.buckets) - 1, names=bucket.names
                 )
@@ -606,11 +607,10 @@ class Reducer:
         cached = bucket.slot_views.get(exchange.generation)
         if cached is None:
             slot = exchange.own_slot(b, bucket.buffer)
-            views = [
-                slot[offset : offset + p.numel()].view_as(p)
-                for offset, p in zip(bucket.spec.offsets, bucket.params)
-            ]
-            cached = bucket.slot_views[exchange.generation] = (slot, views)
+            cached = bucket.slot_views[exchange.generation] = (
+                slot,
+                _param_views(slot, bucket.spec, bucket.params),
+            )
         return cached
 
     @property

@@ -110,7 +110,7 @@ class SharedMemoryExchange:
         """:meth:`sum_hook` when the caller already wrote the bucket into :meth:`own_slot`: the sum goes to
         ``bucket.buffer()``."""
         b, buffer = bucket.index(), bucket.buffer()
-        mine = self._slot(self._generation, self.rank, b, buffer)
+        mine = self.own_slot(b, buffer)
         other = self._slot(self._generation, self._other, b, buffer)
         record_bytes_sent(bucket, payload_bytes(buffer))
         both_written = dist.all_reduce(torch.zeros(1), group=process_group, async_op=True).get_future()
