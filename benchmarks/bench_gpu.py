@@ -157,7 +157,8 @@ def count_host_syncs(step: Callable[[], None], steps: int, device: torch.device)
 
 
 def host_overhead(contender: Contender, steps: int) -> dict[str, float | None]:
-    """Our reducer's CPU time per bucket (launch, and finalize less its waits), from torch.profiler."""
+    """Our reducer's CPU time per bucket (launch, and finalize less its waits), from torch.profiler; a
+    figure is ``None`` when the profiler recorded none of its labels."""
     from torch.profiler import ProfilerActivity, profile
 
     reducer = getattr(contender.ddp, "reducer", None)
@@ -170,14 +171,12 @@ def host_overhead(contender: Contender, steps: int) -> dict[str, float | None]:
             waited_s += reducer.last_exposed_comm_s
     totals = {event.key: (event.cpu_time_total, event.count) for event in prof.key_averages()}
     launch_us, launches = totals.get("lightning_ddpx::launch_bucket", (0.0, 0))
-    finalize_us, _ = totals.get("lightning_ddpx::finalize", (0.0, 0))
-    buckets = max(launches, 1)
-    finalize_own_us = max(finalize_us - 1e6 * waited_s, 0.0)
-    return {
-        "launch_us_per_bucket": launch_us / buckets,
-        "finalize_us_per_bucket": finalize_own_us / buckets,
-        "host_us_per_bucket": (launch_us + finalize_own_us) / buckets,
-    }
+    finalize_us, finalizes = totals.get("lightning_ddpx::finalize", (0.0, 0))
+    buckets = len(contender.ddp.bucket_plan()) * steps  # launched, whether or not the labels were seen
+    launch = launch_us / buckets if launches else None
+    finalize = max(finalize_us - 1e6 * waited_s, 0.0) / buckets if finalizes else None
+    both = None if launch is None or finalize is None else launch + finalize
+    return {"launch_us_per_bucket": launch, "finalize_us_per_bucket": finalize, "host_us_per_bucket": both}
 
 
 def peak_memory(name: str, model: str, config: GpuRunConfig, rank: int, group: Any) -> dict[str, Any]:
