@@ -370,8 +370,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
-        print("no CUDA GPU: nothing measured (use --dry-run to run this code on the CPU)", flush=True)
-        return {}
+        sys.exit(
+            "bench_gpu: no CUDA GPU visible to this torch: nothing measured (--dry-run runs this code on the CPU)"
+        )
     mode = (
         "dry run on the CPU, tiny models (GPU figures: -)" if args.dry_run else torch.cuda.get_device_name(0)
     )

@@ -44,7 +44,8 @@ while [ $# -gt 0 ]; do
     shift
 done
 
-NEEDED_MODULES=(torch lightning numpy typing_extensions pytest pytest_timeout)
+# What the package and its tests import (pytest-timeout is optional here: every part has a time limit)
+NEEDED_MODULES=(torch lightning numpy typing_extensions pytest)
 
 torch_sees_gpu() {  # PYTHON: exit 0 if its torch imports and sees a CUDA GPU
     "$1" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() and torch.cuda.device_count() > 0 else 1)' \
