@@ -129,7 +129,7 @@ choose_python() {  # sets PY
     ddpx_setup_env dev
     cd "$REPO_ROOT"
     PY=$VENV_PYTHON
-    if nvidia_gpu_present && ! torch_sees_gpu "$PY"; then
+    if [ $DRY_RUN = 0 ] && nvidia_gpu_present && ! torch_sees_gpu "$PY"; then
         cuda_torch_into_venv
     fi
 }
