@@ -20,7 +20,8 @@
 #   1. $DDPX_PYTHON, if set (this repo is put on its PYTHONPATH);
 #   2. else a system python3 whose torch sees a GPU: its CUDA build is used as it is, with this repo on
 #      PYTHONPATH; packages it lacks (Lightning, pytest, ...) are installed into .venv-gpu, a venv over the
-#      system's site-packages, so the system's torch stays;
+#      system's site-packages, so the system's torch stays (without a registry it goes on without them, and
+#      what needs them fails);
 #   3. else .venv from scripts/setup_env.sh (the README's set-up). constraints.txt pins torch's version only
 #      (`torch==2.13.0`); the CPU wheel comes from the build machines' own wheel directory. Where nvidia-smi
 #      shows a GPU and that torch has no CUDA, the same version is reinstalled from PyPI, whose Linux wheels
@@ -84,9 +85,13 @@ system_python_with_gpu() {  # sets PY to the system python3 (or .venv-gpu over i
     "$system" -c 'import torch; print("torch==" + torch.__version__)' > "$pin"
     if ! .venv-gpu/bin/python -m pip install --quiet --disable-pip-version-check -c "$pin" -e ".[dev]"; then
         rm -f "$pin"
-        echo "error: could not install $missing next to the system's CUDA torch (no package registry?)." \
-            "Install them into $system, or point DDPX_PYTHON at a Python that has them and a CUDA torch." >&2
-        exit 1
+        # Go on with what there is: the parts that need the missing packages fail and say so, the others run.
+        echo "warning: could not install $missing next to the system's CUDA torch (no package registry?);" \
+            "going on with $system: what needs them will fail. Install them into $system, or point" \
+            "DDPX_PYTHON at a Python that has them and a CUDA torch." >&2
+        PY=$system
+        use_repo_on_pythonpath
+        return 0
     fi
     rm -f "$pin"
     PY=$REPO_ROOT/.venv-gpu/bin/python
