@@ -390,7 +390,11 @@ def run_hooks_over_gloo_on_one_gpu(rank: int, world_size: int) -> dict[str, str]
         world_size=world_size,
         timeout=timedelta(seconds=120),
     )
-    return _each_hook(rank, ONE_GPU_HOOKS, device_index=0)
+    checks: dict[str, Callable[[], None]] = {}
+    for name in ONE_GPU_HOOKS:
+        checks[name] = functools.partial(_train_pair, rank, name, 0)
+        checks[f"{name} on a side stream"] = functools.partial(_train_pair, rank, name, 0, side_stream=True)
+    return _each_check(checks)
 
 
 @pytest.fixture(scope="module")
@@ -405,6 +409,17 @@ def one_gpu_gloo_results() -> list[dict[str, str]]:
 def test_hook_matches_torch_ddp_on_one_gpu_over_gloo(one_gpu_gloo_results, name):
     for rank, out in enumerate(one_gpu_gloo_results):
         assert out[name] == "ok", f"rank {rank}:\n{out[name]}"
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@needs_gpus(1)
+@pytest.mark.parametrize("name", ONE_GPU_HOOKS)
+def test_backward_on_a_side_stream_on_one_gpu_over_gloo(one_gpu_gloo_results, name):
+    """As test_backward_on_a_side_stream_with_late_results, with two ranks exchanging through gloo."""
+    key = f"{name} on a side stream"
+    for rank, out in enumerate(one_gpu_gloo_results):
+        assert out[key] == "ok", f"rank {rank}:\n{out[key]}"
 
 
 class TwoStreams(nn.Module):
