@@ -33,8 +33,8 @@ cd "$REPO_ROOT"
 
 DRY_RUN=0
 RESULTS_DIR=benchmarks/results
-TESTS_TIMEOUT_S=${DDPX_GPU_TESTS_TIMEOUT_S:-300}   # part (a)
-BENCH_TIMEOUT_S=${DDPX_GPU_BENCH_TIMEOUT_S:-140}   # each set-up of part (b)
+TESTS_TIMEOUT_S=${DDPX_GPU_TESTS_TIMEOUT_S:-360}   # part (a)
+BENCH_TIMEOUT_S=${DDPX_GPU_BENCH_TIMEOUT_S:-120}   # each set-up of part (b)
 while [ $# -gt 0 ]; do
     case $1 in
         --dry-run) DRY_RUN=1 ;;
