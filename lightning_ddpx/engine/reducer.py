@@ -282,7 +282,11 @@ class Reducer:
         self._hook_name = _hook_name(hook)
         self._scale_on_copy = None  # a registered hook sees the plain local gradients
         self._launcher.close()
-        self._launcher = InlineLauncher() if issues_collectives_on_call(hook) else SequencedLauncher()
+        # CUDA: the communication thread's futures carry events on the buckets' device (engine.launcher)
+        device = self.params[0].device if self.params else None
+        self._launcher = (
+            InlineLauncher() if issues_collectives_on_call(hook) else SequencedLauncher(device=device)
+        )
 
     # -------------------------------------------------------------------------------------- forward
     def prepare_forward(self, will_sync: bool, rebuild_src: int = 0) -> None:
@@ -352,6 +356,7 @@ class Reducer:
                 )
                 hook = self._hook_for(b)  # the active ranks' collectives (the last bucket's chunks included)
                 call: Callable[[], torch.futures.Future] = lambda gb=grad_bucket, hook=hook: hook(state, gb)  # noqa: E731
+                call = on_stream(current_stream(zeros.device), call)  # CUDA: after the zeros were written
                 if self.progress.debug:  # counted as if this rank ran the forward it shadows
                     call = self._checked(call, b, (self._forwards_armed + 1, self._reductions + 1))
                 launched.append((b, self._launcher.submit(call)))
@@ -799,7 +804,12 @@ class Reducer:
             list(self._locally_used), dtype=torch.int32, device=self.buckets[0].buffer.device
         )
         group = self.process_group
-        return self._launcher.submit(lambda: dist.all_reduce(bitmap, group=group, async_op=True).get_future())
+        # CUDA: issued with this (the copying) stream current, also on the communication thread
+        issue = on_stream(
+            current_stream(bitmap.device),
+            lambda: dist.all_reduce(bitmap, group=group, async_op=True).get_future(),
+        )
+        return self._launcher.submit(issue)
 
     def _result_of(self, b: int) -> torch.Tensor:
         future = self._futures[b]
@@ -821,8 +831,9 @@ class Reducer:
         if isinstance(value, (list, tuple)) and len(value) == 1:
             value = value[0]
         buffer = self.buckets[b].buffer
-        # CUDA: torch's CUDA futures already made the current stream wait; any other future (a hook's own,
-        # the communication thread's) did not, so wait for the stream the hook ran on. No host sync.
+        # CUDA: wait() made the current stream wait for the future's events (torch's CUDA futures: NCCL's, and
+        # the communication thread's, engine.launcher); a future without events (a hook's own) did not, so
+        # also wait for the stream the hook ran on. No host sync.
         wait_streams(current_stream(buffer.device), [self._launch_streams[b]])
         if (
             not isinstance(value, torch.Tensor)
