@@ -323,3 +323,17 @@ def test_a_copy_has_no_reducer_until_used() -> None:
 def test_rank_batch_is_rank_dependent() -> None:
     """The oracle's data differ per rank, so an unreduced gradient cannot match torch's by accident."""
     assert not torch.equal(rank_batch(0, 0, (2, 2)), rank_batch(1, 0, (2, 2)))
+
+
+def test_the_strategies_pass_device_ids_as_lightnings_ddp() -> None:
+    """Lightning's DDP strategies give torch's DDP ``device_ids=[root_device.index]`` on a GPU, None on the
+    CPU; ours give our module the same (the Trainer's strategy through Lightning's own method)."""
+    from lightning.fabric.strategies import DDPStrategy as FabricDDP
+
+    from lightning_ddpx.lightning.config import DDPXConfig, ddp_device_ids
+
+    for device in (torch.device("cpu"), torch.device("cuda", 3)):
+        fabric_ddp = FabricDDP(parallel_devices=[device])
+        assert ddp_device_ids(device) == fabric_ddp._determine_ddp_device_ids()
+    with one_rank_group():
+        assert DDPXConfig().wrap(nn.Linear(3, 2), device_ids=None).device_ids is None
