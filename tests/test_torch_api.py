@@ -22,8 +22,8 @@ import lightning_ddpx
 from lightning_ddpx._compat.torch import inputs_to_device
 from lightning_ddpx.engine.placement import resolve_placement
 from tests.dist_utils import one_rank_group, run_distributed
-from tests.oracle import assert_same_tensors, rank_batch
-from tests.test_engine_oracle import mlp, mlp_loss
+from tests.oracle import assert_same_tensors, rank_batch, train_side_by_side
+from tests.test_engine_oracle import conv_bn, conv_loss, mlp, mlp_loss
 
 TORCH_DDP = torch.nn.parallel.DistributedDataParallel
 OUR_DDP = lightning_ddpx.DistributedDataParallel
@@ -56,7 +56,15 @@ CONSTRUCTOR_CASES = {
     "dim": {"dim": 1},
     "check_reduction": {"check_reduction": True},
     "bucket_cap_mb_none": {"bucket_cap_mb": None},
+    "forward_sync_buffers_off": {"forward_sync_buffers": False},
+    "forward_sync_buffers_on": {"forward_sync_buffers": True},
+    "skip_all_reduce_unused_params": {"skip_all_reduce_unused_params": True},
+    "batched_grad_copy": {"batched_grad_copy": True},
 }
+ATTRIBUTES = (
+    "device_ids", "output_device", "dim", "forward_sync_buffers", "skip_all_reduce_unused_params",
+    "batched_grad_copy",
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("name", sorted(CONSTRUCTOR_CASES))
@@ -70,7 +78,7 @@ def test_constructor_arguments_behave_as_torchs(name: str) -> None:
     assert torch_sentence(theirs[1]) in ours[1]
     assert ("FutureWarning" in ours[2]) == ("FutureWarning" in theirs[2]) or name == "bucket_cap_mb_none"
     if theirs[0] == "ok":
-        for attribute in ("device_ids", "output_device", "dim"):
+        for attribute in ATTRIBUTES:
             assert getattr(made["ours"], attribute) == getattr(made["torch"], attribute), attribute
 
 
@@ -199,6 +207,17 @@ def test_set_static_graph_as_torchs() -> None:
     assert "should be called before training loop starts" in late[0][1]
     assert "should be called before training loop starts" in late[1][1]
     assert again[0][0] == again[1][0] == "ok" and again[0][2] == again[1][2] == ["UserWarning"]
+
+
+def buffers_stay_local(rank: int, world_size: int) -> None:
+    """forward_sync_buffers=False: each rank keeps its own BatchNorm statistics, as with torch's DDP."""
+    kwargs = {"forward_sync_buffers": False}
+    train_side_by_side(rank, conv_bn, conv_loss, 3, {**kwargs, "bucket_cap_mb": 0.004}, kwargs)
+
+
+@pytest.mark.slow
+def test_forward_sync_buffers_off_keeps_buffers_local_like_torchs() -> None:
+    run_distributed(buffers_stay_local, 2)
 
 
 # --------------------------------------------------------------------------- static graph (2 ranks)

@@ -81,6 +81,11 @@ class DistributedDataParallel(nn.Module, Joinable):
             or not) and parameters whose gradient arrives more than once per backward.
         first_bucket_cap_mb: cap of the first bucket launched, kept small so communication starts early
             (torch fixes it at 1 MiB).
+        forward_sync_buffers: torch 2.13's name for ``broadcast_buffers`` (``None``: take
+            ``broadcast_buffers``); given, it wins, as in torch.
+        skip_all_reduce_unused_params, batched_grad_copy: torch's optimisations that leave every gradient
+            unchanged; accepted and kept as attributes. Our reducer copies each bucket in one batched call
+            anyway, and parameters unused on every rank keep their gradient untouched either way.
 
     A wrapped model can be pickled (``torch.save(model)``) and deep-copied, as torch's can, when it averages
     over the default group: the copy leaves the process group and the reducer behind and makes new ones
@@ -103,6 +108,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         static_graph: bool = False,
         *,
         first_bucket_cap_mb: float = 1.0,
+        forward_sync_buffers: bool | None = None,
+        skip_all_reduce_unused_params: bool = False,
+        batched_grad_copy: bool = False,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)  # nn.Module does not chain __init__; the join config starts disabled
@@ -131,7 +139,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
-        self.broadcast_buffers = broadcast_buffers
+        self.broadcast_buffers = _resolve_forward_sync_buffers(broadcast_buffers, forward_sync_buffers)
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
+        self.batched_grad_copy = batched_grad_copy
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
@@ -183,6 +193,15 @@ class DistributedDataParallel(nn.Module, Joinable):
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             static_graph=self.static_graph,
         )
+
+    @property
+    def forward_sync_buffers(self) -> bool:
+        """torch 2.13's name for :attr:`broadcast_buffers` (rank 0's buffers before each synchronised forward)."""
+        return self.broadcast_buffers
+
+    @forward_sync_buffers.setter
+    def forward_sync_buffers(self, value: bool) -> None:
+        self.broadcast_buffers = value
 
     @property
     def reducer(self) -> Reducer:
@@ -575,6 +594,22 @@ def _validate_arguments(module: Any, bucket_cap_mb: float, first_bucket_cap_mb: 
                 f"lightning_ddpx.DistributedDataParallel: {name} must be a positive number of MiB, got {value!r} "
                 f"(torch's default is 25 for bucket_cap_mb and 1 for first_bucket_cap_mb)."
             )
+
+
+def _resolve_forward_sync_buffers(broadcast_buffers: bool, forward_sync_buffers: bool | None) -> bool:
+    """torch 2.13: ``forward_sync_buffers``, when given, decides the per-forward buffer sync and
+    ``broadcast_buffers`` is ignored (torch warns when both are given; ours can only tell when
+    ``broadcast_buffers`` is not its default)."""
+    if forward_sync_buffers is None:
+        return broadcast_buffers
+    if not broadcast_buffers:
+        warnings.warn(
+            "lightning_ddpx.DistributedDataParallel: both broadcast_buffers and forward_sync_buffers are given; "
+            f"forward_sync_buffers={forward_sync_buffers} decides, as in torch. Pass only forward_sync_buffers.",
+            FutureWarning,
+            stacklevel=3,
+        )
+    return forward_sync_buffers
 
 
 def _single_device(named: list[tuple[str, nn.Parameter]]) -> torch.device:
