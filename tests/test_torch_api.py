@@ -220,6 +220,32 @@ def test_forward_sync_buffers_off_keeps_buffers_local_like_torchs() -> None:
     run_distributed(buffers_stay_local, 2)
 
 
+IGNORED = ["3.weight", "1.running_mean"]  # a parameter and a buffer each rank keeps to itself
+
+
+def with_ignored_tensors() -> nn.Module:
+    """Ranks start with another ``3.weight`` and keep their own gradient of it and their own running mean."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+    with torch.no_grad():
+        model[3].weight.add_(dist.get_rank())
+    OUR_DDP._set_params_and_buffers_to_ignore_for_model(model, IGNORED)
+    return model
+
+
+def ignored_stay_local(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    summary = train_side_by_side(rank, with_ignored_tensors, mlp_loss, 3, {"bucket_cap_mb": 0.004}, {})
+    return {"3.weight": summary["params"]["3.weight"], "0.weight": summary["params"]["0.weight"]}
+
+
+@pytest.mark.slow
+def test_ignored_parameters_and_buffers_stay_local_like_torchs() -> None:
+    """torch's ignore list (``_set_params_and_buffers_to_ignore_for_model``, Lightning's LightningModule
+    attribute): not checked, broadcast nor reduced; every step equal to torch's on each rank."""
+    ranks = run_distributed(ignored_stay_local, 2)
+    assert not torch.equal(ranks[0]["3.weight"], ranks[1]["3.weight"])  # really local
+    assert torch.equal(ranks[0]["0.weight"], ranks[1]["0.weight"])  # the rest synchronised
+
+
 # --------------------------------------------------------------------------- static graph (2 ranks)
 class Checkpointed(nn.Module):
     """Reentrant activation checkpointing: torch's DDP needs a static graph for it, set after wrapping."""

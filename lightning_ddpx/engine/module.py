@@ -11,7 +11,7 @@ import contextlib
 import copy
 import dataclasses
 import warnings
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -135,7 +135,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         # them at exit, or the process can abort (lightning_ddpx.engine.exit_threads).
         register_exit_handler()
         self.module = module
-        self._buffer_slots = _buffer_slots(module)
+        # torch's ignore list (set with _set_params_and_buffers_to_ignore_for_model, or by Lightning's
+        # LightningModule attribute): these parameters and buffers are neither checked, broadcast nor reduced.
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        self._buffer_slots = _buffer_slots(module, self.parameters_to_ignore)
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
@@ -153,7 +156,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         # a rank that is only replaying (lightning_ddpx.lightning.uneven); inside join() the join protocol picks it.
         self.buffer_source_rank = 0
 
-        named = list(module.named_parameters())
+        named = self._synced_parameters()
         self.device = _single_device(named)
         placement = resolve_placement(device_ids, output_device, self.device)
         self.device_ids, self.output_device = placement.device_ids, placement.output_device
@@ -165,7 +168,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 verify_same_parameters(named, self.process_group, self.device)
             with waiting_for("rank 0's parameters and buffers (construction)", self.process_group):
                 broadcast_from_rank0(
-                    [p.detach() for _, p in named] + list(module.buffers()), self.process_group
+                    [p.detach() for _, p in named] + self._synced_buffers(), self.process_group
                 )
         if not any(p.requires_grad for _, p in named):
             raise NothingToSynchronise(
@@ -180,7 +183,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
         Collective on two CPU ranks (it maps the shared-memory slots): every rank builds it at once.
         """
-        trainable = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
+        trainable = [(name, p) for name, p in self._synced_parameters() if p.requires_grad]
         self._hook_registered = False
         self._settings_verified = False  # at the first synchronising forward, once the hook is registered
         return Reducer(
@@ -193,6 +196,21 @@ class DistributedDataParallel(nn.Module, Joinable):
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             static_graph=self.static_graph,
         )
+
+    def _synced_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The module's parameters this module synchronises: all but those torch's ignore list names."""
+        return [(n, p) for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore]
+
+    def _synced_buffers(self) -> list[torch.Tensor]:
+        return [b for b in (getattr(m, name) for m, name in self._buffer_slots) if b is not None]
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(
+        module: nn.Module, params_and_buffers_to_ignore: Iterable[str]
+    ) -> None:
+        """torch's way to exclude parameters and buffers (fully qualified names) from data parallelism:
+        call it on the module before wrapping; each rank then keeps its own values and gradients of them."""
+        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore  # type: ignore[assignment]
 
     @property
     def forward_sync_buffers(self) -> bool:
@@ -350,7 +368,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         # Looked up through the slots found at construction, as torch's DDP does, rather than walking every
         # submodule each step (0.1-0.4 ms on models of hundreds of layers, most of which have no buffer);
         # looking each up by name still follows a buffer replaced by assignment (e.g. module.to()).
-        buffers = [b for b in (getattr(m, name) for m, name in self._buffer_slots) if b is not None]
+        buffers = self._synced_buffers()
         if buffers:
             with label("lightning_ddpx::broadcast_buffers"):
                 with waiting_for(
@@ -674,12 +692,15 @@ def _describe(hook: Callable) -> str:
     return getattr(hook, "__qualname__", None) or repr(hook)
 
 
-def _buffer_slots(module: nn.Module) -> list[tuple[nn.Module, str]]:
-    """(submodule, name) of each buffer of ``module``, each tensor once, in ``module.buffers()`` order."""
+def _buffer_slots(module: nn.Module, ignored: set[str]) -> list[tuple[nn.Module, str]]:
+    """(submodule, name) of each buffer of ``module``, each tensor once, in ``module.buffers()`` order,
+    less those whose fully qualified name (its first, as ``named_buffers()`` gives it) is ``ignored``."""
     slots, seen = [], set()
-    for submodule in module.modules():
+    for prefix, submodule in module.named_modules():
         for name, buffer in submodule.named_buffers(recurse=False):
             if id(buffer) not in seen:
                 seen.add(id(buffer))
-                slots.append((submodule, name))
+                fqn = f"{prefix}.{name}" if prefix else name
+                if fqn not in ignored:
+                    slots.append((submodule, name))
     return slots
