@@ -196,9 +196,15 @@ def test_set_static_graph_as_torchs() -> None:
         model._set_static_graph()
         return outcome(model._set_static_graph)
 
+    def after_forward(ddp_class: type) -> tuple[str, str, list[str]]:
+        model = ddp_class(nn.Linear(3, 2))
+        model(torch.randn(4, 3))  # a synchronising forward, no backward yet
+        return outcome(model._set_static_graph)
+
     with one_rank_group():
         late = after_training(TORCH_DDP), after_training(OUR_DDP)
         again = twice(TORCH_DDP), twice(OUR_DDP)
+        forward_only = after_forward(TORCH_DDP), after_forward(OUR_DDP)
         made_static = OUR_DDP(nn.Linear(3, 2))
         made_static._set_static_graph()
         assert made_static.static_graph and made_static.reducer.static_graph
@@ -207,6 +213,7 @@ def test_set_static_graph_as_torchs() -> None:
     assert "should be called before training loop starts" in late[0][1]
     assert "should be called before training loop starts" in late[1][1]
     assert again[0][0] == again[1][0] == "ok" and again[0][2] == again[1][2] == ["UserWarning"]
+    assert forward_only[0][0] == forward_only[1][0] == "RuntimeError"
 
 
 def buffers_stay_local(rank: int, world_size: int) -> None:

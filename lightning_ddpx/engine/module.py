@@ -287,11 +287,12 @@ class DistributedDataParallel(nn.Module, Joinable):
                 stacklevel=2,
             )
             return
-        if self.reducer.iterations_synced > 0 or self.reducer.phase is Phase.REDUCING:
+        # As torch: refused once a synchronising forward ran (ARMED: its backward would not record).
+        if self.reducer.iterations_synced > 0 or self.reducer.phase is not Phase.IDLE:
             raise RuntimeError(
                 "lightning_ddpx.DistributedDataParallel: _set_static_graph() was called after "
-                f"{self.reducer.iterations_synced} synchronised iteration(s); the static graph is recorded "
-                "in the first one. Call it right after wrapping, or pass static_graph=True to the constructor "
+                f"{self.reducer.iterations_synced} synchronised iteration(s) (or after a synchronising forward); "
+                "the static graph is recorded in the first one. Call it right after wrapping, or pass static_graph=True to the constructor "
                 "(torch: set_static_graph() should be called before training loop starts and after "
                 "DistributedDataParallel is constructed.)"
             )
