@@ -19,6 +19,8 @@ __all__ = [
     "allow_non_fake_inputs",
     "ddp_optimizer_context",
     "default_store",
+    "default_group",
+    "device_index",
     "dynamic_of",
     "fake_mode_of_current_trace",
     "foreach_add_",
@@ -26,6 +28,7 @@ __all__ = [
     "foreach_sub_",
     "group_timeout",
     "innermost_backend",
+    "inputs_to_device",
     "is_fake",
     "lookup_backend",
     "process_group_store",
@@ -71,10 +74,38 @@ def default_store() -> Any:
     return dist.distributed_c10d._get_default_store()
 
 
+def default_group() -> Any:
+    """The default process group itself (``dist.group.WORLD`` is a placeholder object on some versions):
+    what pickling compares a module's group with, as torch's DDP does. Raises before init. torch >= 1.8."""
+    return dist.distributed_c10d._get_default_group()
+
+
 def group_timeout(group: Any) -> Any:
     """The timeout a process group was created with (error messages say how long a peer was waited for):
     no public getter exists. torch >= 2.0 (``_get_backend``)."""
     return group._get_backend(torch.device("cpu")).options._timeout
+
+
+# ----------------------------------------------------------------------------------------- devices
+def device_index(device: Any) -> int:
+    """An entry of ``device_ids`` (int, ``torch.device`` or string) as a device index, exactly as torch's DDP
+    reads it (a device without an index means the current one). torch >= 1.0."""
+    from torch._utils import _get_device_index
+
+    return _get_device_index(device, True)
+
+
+def inputs_to_device(
+    args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device, side_stream: bool
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """forward's inputs moved to ``device`` as torch's DDP moves them with ``device_ids`` (tensors inside
+    lists, dicts, namedtuples, dataclasses and PackedSequences; copies on a side stream). torch >= 2.0."""
+    from torch.distributed.utils import _to_kwargs
+
+    if not args and not kwargs:
+        return args, kwargs  # torch indexes an empty result here; nothing to move
+    moved_args, moved_kwargs = _to_kwargs(args, kwargs, device, side_stream)
+    return moved_args[0], moved_kwargs[0]
 
 
 # --------------------------------------------------------------------------------------- dynamo (compile)

@@ -276,6 +276,12 @@ class Reducer:
         if self.static is not None:
             self.static.reset()
 
+    def set_static_graph(self) -> None:
+        """From the next synchronised backward on, as if built with ``static_graph=True`` (before the first)."""
+        self.static_graph = True
+        if self.static is None:
+            self.static = StaticGraph(self.names)
+
     # ------------------------------------------------------------------------------------ comm hook
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         self.hook, self.hook_state = hook, state

@@ -15,6 +15,7 @@ import importlib
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Literal, Mapping, Optional, Union
 
+import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
@@ -215,11 +216,18 @@ class DDPXConfig:
 
     # ------------------------------------------------------------------------------------------ setup
     def wrap(
-        self, module: nn.Module, process_group: Optional[dist.ProcessGroup] = None
+        self,
+        module: nn.Module,
+        process_group: Optional[dist.ProcessGroup] = None,
+        device_ids: Optional[list[int]] = None,
     ) -> DistributedDataParallel:
-        """``module`` in our data-parallel module with these options; :meth:`register_hook` adds the hook."""
+        """``module`` in our data-parallel module with these options; :meth:`register_hook` adds the hook.
+
+        ``device_ids``: what Lightning's DDP strategies pass torch's DDP (:func:`ddp_device_ids`).
+        """
         return DistributedDataParallel(
             module,
+            device_ids=device_ids,
             process_group=process_group,
             bucket_cap_mb=self.bucket_cap_mb,
             first_bucket_cap_mb=self.first_bucket_cap_mb,
@@ -295,6 +303,13 @@ class DDPXConfig:
         if restore.warning:
             rank_zero_warn(restore.warning)
         checkpoint_state.apply_restore(hook_state, restore)
+
+
+def ddp_device_ids(root_device: torch.device) -> Optional[list[int]]:
+    """torch's ``device_ids`` for a process's model, as Lightning's DDP strategies decide them: ``None`` on the
+    CPU, ``[index]`` on an accelerator (forward then moves inputs there, a no-op for Lightning's batches,
+    which are already on it)."""
+    return None if root_device.type == "cpu" else [root_device.index]
 
 
 class _ConfigOption:

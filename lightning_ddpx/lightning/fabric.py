@@ -45,7 +45,7 @@ from lightning_ddpx.lightning._compat import (
 )
 from lightning_ddpx.lightning.checkpoint_io import AtomicCheckpointIO
 from lightning_ddpx.lightning.checkpoint_state import CHECKPOINT_KEY
-from lightning_ddpx.lightning.config import DDPXConfigAttributes, register_strategy_names
+from lightning_ddpx.lightning.config import DDPXConfigAttributes, ddp_device_ids, register_strategy_names
 from lightning_ddpx.lightning.ddp_kwargs import build_ddpx_config
 from lightning_ddpx.lightning.options import takes_ddpx_options
 from lightning_ddpx.lightning.process_exit import destroy_process_group_at_exit
@@ -125,7 +125,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         log.debug(
             f"{type(self).__name__}: wrapping in lightning_ddpx.DistributedDataParallel, {self.hook_name}"
         )
-        wrapped = self.ddpx_config.wrap(module)
+        wrapped = self.ddpx_config.wrap(module, device_ids=ddp_device_ids(self.root_device))
         state = self.ddpx_config.register_hook(wrapped)
         averager = post_local_sgd_setup.averager_for(state, self.model_averaging_period)
         if averager is not None:

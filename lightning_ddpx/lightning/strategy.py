@@ -221,7 +221,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
-        return self.ddpx_config.wrap(model)
+        return self.ddpx_config.wrap(model, device_ids=self.determine_ddp_device_ids())
 
     @override
     def _register_ddp_hooks(self) -> None:
