@@ -183,6 +183,11 @@ class Reducer:
         # Synchronising forwards and reductions so far, shadowed ones (join) included: DDPX_DEBUG compares them.
         self._forwards_armed = 0
         self._reductions = 0
+        # Parameters that received a gradient on this rank since the last synchronised backward, no_sync()
+        # backwards included (torch's local_used_map): the bitmap find_unused_parameters shares, so that a
+        # gradient accumulated only in a no_sync() micro-batch is still averaged. Reset after each
+        # synchronised backward only; indexed by parameter, so bucket rebuilds keep it.
+        self._locally_used = bytearray(len(self.params))
         self._install_plan(list(reversed(range(len(self.params)))))
         self._handles = [
             p.register_post_accumulate_grad_hook(self._make_grad_hook(i)) for i, p in enumerate(self.params)
@@ -263,7 +268,6 @@ class Reducer:
         self._pending = [len(bucket.params) for bucket in self.buckets]
         self._unused_in_bucket = [0] * count
         self._ready = bytearray(len(self.params))
-        self._locally_used = bytearray(len(self.params))
         self._next_launch = 0
         self._futures: list[torch.futures.Future | None] = [None] * count
         # (start, end, future) of each collective when the last bucket is reduced in chunks
@@ -414,6 +418,11 @@ class Reducer:
                 if self.phase is idle:
                     if self._synced_since_forward:
                         raise RuntimeError(self._backward_after_sync_message(index))
+                    self._locally_used[index] = 1  # accumulating (no_sync): averaged at the next sync
+                    if self.static is not None and self.static.unused_everywhere(index):
+                        raise RuntimeError(
+                            self.static.accumulated_message(index, dist.get_rank(self.process_group))
+                        )
                     return
                 self._begin_reduction()
             if self.static is not None and not self.static.on_gradient(index):
@@ -457,6 +466,8 @@ class Reducer:
                 self._note_cuda_gradient(index, b)
         else:
             self._unused_in_bucket[b] += 1
+            if self._on_cuda:  # a gradient kept from earlier backwards is copied on the launch stream
+                self._grad_streams[index] = None
             if self.gradient_as_bucket_view:
                 self._detach_unused_view(index, b)
         pending = self._pending
@@ -498,12 +509,19 @@ class Reducer:
             param.grad = view
 
     def _detach_unused_view(self, index: int, b: int) -> None:
-        """An unused parameter contributes zero; its own ``grad`` keeps its value (a private copy)."""
+        """A parameter this backward did not reach contributes the gradient it holds (accumulated in
+        ``no_sync()`` micro-batches, or kept from earlier steps), or zero if it holds none, as in torch.
+        Its own ``grad`` becomes a private copy until the end of backward, so that it keeps its value if
+        no rank used the parameter (see :meth:`_write_back_bucket`)."""
         param = self.params[index]
         view = self.buckets[b].views[self._position_of[index]]
-        if param.grad is view:
+        grad = param.grad
+        if grad is None:
+            view.zero_()
+        elif grad is view:
             param.grad = view.clone()
-        view.zero_()
+        else:
+            view.copy_(grad)
 
     def _launch_ready_buckets(self) -> None:
         while self._next_launch < len(self.buckets) and self._pending[self._next_launch] == 0:
@@ -567,16 +585,18 @@ class Reducer:
         """CUDA: streams other than ``stream`` that produced gradients of this bucket (usually none)."""
         if stream is None:
             return []
-        used, streams = self._locally_used, self._grad_streams
-        return [streams[i] for i in bucket.spec.param_indices if used[i] and streams[i] != stream]
+        streams = self._grad_streams  # None for parameters this backward did not reach
+        return [
+            streams[i] for i in bucket.spec.param_indices if streams[i] is not None and streams[i] != stream
+        ]
 
     @torch.no_grad()
     def _copy_on_producing_streams(self, b: int, bucket: _Bucket, scale: float | None, stream: Any) -> None:
         """CUDA, gradients from several streams: copy each on the stream that produced it, then make the
         launch stream wait for those streams (GPU events, no host synchronisation)."""
-        used, producers = self._locally_used, []
+        producers = []
         for index, param, view in zip(bucket.spec.param_indices, bucket.params, bucket.views):
-            if not used[index]:
+            if param.grad is None:
                 view.zero_()
                 continue
             producer = self._grad_streams[index]
@@ -708,7 +728,7 @@ class Reducer:
         target: tuple[torch.Tensor, list[torch.Tensor]] | None = None,
     ) -> None:
         """Fill the bucket (or ``target``: a flat buffer laid out like it, and its per-parameter views) from
-        ``param.grad`` (zero for locally unused parameters), times ``scale`` if given."""
+        ``param.grad`` (zero for parameters holding none), times ``scale`` if given."""
         buffer, views = target if target is not None else (bucket.buffer, bucket.views)
         fused = scale is not None and bucket.fused_scale
         if self._unused_in_bucket[b] == 0 and not fused:
@@ -716,9 +736,8 @@ class Reducer:
             if scale is not None:
                 buffer.mul_(scale)
             return
-        used = self._locally_used
-        for index, param, view in zip(bucket.spec.param_indices, bucket.params, views):
-            if not used[index]:
+        for param, view in zip(bucket.params, views):
+            if param.grad is None:
                 view.zero_()
             elif scale is None:
                 view.copy_(param.grad)
@@ -878,6 +897,7 @@ class Reducer:
         self._reductions += 1
         self._remove_start_hooks()
         self._synced_since_forward = succeeded
+        self._locally_used = bytearray(len(self.params))
         if succeeded:
             self.iterations_synced += 1
         if self._ready_order is not None:
