@@ -30,6 +30,7 @@ from lightning_ddpx.engine.join import DDPXJoinHook, announce, broadcast_from
 from lightning_ddpx.engine.optimizer_overlap import OptimizerOverlap
 from lightning_ddpx.engine.profiling import label
 from lightning_ddpx.engine.reducer import CommHook, Phase, Reducer
+from lightning_ddpx.engine.sparse import expects_sparse_gradients
 
 __all__ = ["DistributedDataParallel"]
 
@@ -123,6 +124,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,
             static_graph=static_graph,
+            sparse_gradients=expects_sparse_gradients(module, [p for _, p in trainable]),
         )
         self._hook_registered = False
         self._settings_verified = False  # at the first synchronising forward, once the hook is registered
