@@ -324,3 +324,21 @@ def run_join(rank: int, world_size: int, find_unused: bool) -> dict[str, torch.T
 def test_join_with_sparse_gradients_like_torch(find_unused: bool) -> None:
     results = run_distributed(run_join, 2, find_unused, timeout=120)
     assert_same_tensors(results[0], results[1], "replicas after join", 0, 0)
+
+
+def sparse_on_one_rank(rank: int, world_size: int) -> str:
+    model = lightning_ddpx.DistributedDataParallel(Embedded(sparse=rank == 0))
+    try:
+        _loss(model, 0)
+    except ValueError as error:
+        return str(error)
+    finally:
+        model.close()
+    return "no error"
+
+
+@pytest.mark.slow
+def test_a_sparse_flag_set_on_one_rank_only_is_named_before_the_first_reduction() -> None:
+    """The bucket plans would differ (a hang or a collective mismatch); the settings check names it."""
+    for message in run_distributed(sparse_on_one_rank, 2, timeout=120):
+        assert "sparse gradients" in message and "emb.weight" in message, message

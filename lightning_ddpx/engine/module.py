@@ -234,6 +234,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             _qualified_name(self.reducer.hook) if self._hook_registered else "None (mean allreduce)"
         )
         settings["overlap_optimizer"] = repr(self.reducer.overlap is not None)  # it changes the bucket plan
+        # sparse embeddings get buckets of their own: a different sparse flag on one rank means other buckets
+        settings["sparse gradients"] = repr(
+            [name for name, sparse in zip(self.reducer.names, self.reducer.sparse_gradients) if sparse]
+        )
         if self._hook_registered:
             settings.update(_hook_state_settings(self.reducer.hook_state))
         return settings
