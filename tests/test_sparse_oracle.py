@@ -22,7 +22,7 @@ import lightning_ddpx
 from lightning_ddpx import hooks
 from lightning_ddpx.engine.bucketing import plan_buckets
 from tests.dist_utils import one_rank_group, run_distributed
-from tests.oracle import assert_same_tensors, set_shared_memory
+from tests.oracle import assert_same_tensors, default_path, set_shared_memory
 
 SMALL_BUCKETS = {"bucket_cap_mb": 0.001, "first_bucket_cap_mb": 0.0002}
 STEPS = 5
@@ -151,8 +151,18 @@ def side_by_side(rank: int, scenario: dict[str, Any]) -> dict[str, Any]:
         if info.parameter_names[0] in ("emb.weight", "bag.weight")
     ]
     moved = (ours.module.emb.weight - base.emb.weight).abs().max().item()
+    stats = ours.comm_stats()
+    summary = ours.take_comm_stats()
+    path = default_path(ours)
     ours.close()
-    return {"layouts": sorted(layouts), "sparse_buckets": plan_sparse, "moved": moved}
+    return {
+        "layouts": sorted(layouts),
+        "sparse_buckets": plan_sparse,
+        "moved": moved,
+        "path": path,
+        "bytes_to_hook": stats.bytes_to_hook if stats is not None else 0,
+        "summary_steps": summary.steps if summary is not None else 0,
+    }
 
 
 def run_scenarios(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
@@ -174,6 +184,11 @@ def test_sparse_gradients_like_torch(outcomes: list[dict[str, Any]], name: str) 
         assert result["layouts"] == ["torch.sparse_coo"]
         assert sorted(result["sparse_buckets"]) == [("bag.weight",), ("emb.weight",)]
         assert result["moved"] > 0
+        assert result["bytes_to_hook"] > 0 and result["summary_steps"] > 0  # statistics count sparse buckets
+    if name == "default":  # two CPU ranks: dense buckets through shared memory, sparse ones through gloo
+        assert [outcome[name]["path"] for outcome in outcomes] == ["shared_memory"] * 2
+    if name == "default_gloo":
+        assert [outcome[name]["path"] for outcome in outcomes] == ["whole"] * 2
 
 
 def run_three_ranks(rank: int, world_size: int) -> dict[str, Any]:
