@@ -35,6 +35,7 @@ __all__ = [
     "profiler_enabled",
     "queue_backward_callback",
     "rank_not_in_group",
+    "sparse_nnz_bytes",
     "tracing_context",
 ]
 
@@ -54,6 +55,15 @@ profiler_enabled: Callable[[], bool] = torch.autograd._profiler_enabled
 foreach_copy_: Callable[..., Any] = torch._foreach_copy_
 foreach_add_: Callable[..., Any] = torch._foreach_add_
 foreach_sub_: Callable[..., Any] = torch._foreach_sub_
+
+
+def sparse_nnz_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of a sparse COO tensor's indices and values, also when it is not coalesced (the public
+    ``indices()``/``values()`` refuse that; reducing an embedding's gradient does not coalesce it first).
+    ``_indices``/``_values``: torch >= 0.4."""
+    indices, values = tensor._indices(), tensor._values()
+    return indices.numel() * indices.element_size() + values.numel() * values.element_size()
+
 
 # ------------------------------------------------------------------------------------------------- c10d
 # torch's Join context manager reads ``module._join_config``; a Joinable built outside torch's DDP must set

@@ -35,6 +35,7 @@ from lightning_ddpx.engine.optimizer_overlap import OptimizerOverlap
 from lightning_ddpx.engine.placement import DeviceLike, resolve_placement, side_stream_copies
 from lightning_ddpx.engine.profiling import label
 from lightning_ddpx.engine.reducer import CommHook, Phase, Reducer
+from lightning_ddpx.engine.sparse import expects_sparse_gradients
 
 __all__ = ["DistributedDataParallel", "NothingToSynchronise"]
 
@@ -195,6 +196,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             find_unused_parameters=self.find_unused_parameters,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             static_graph=self.static_graph,
+            sparse_gradients=expects_sparse_gradients(self.module, [p for _, p in trainable]),
         )
 
     def _synced_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -413,6 +415,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             _qualified_name(self.reducer.hook) if self._hook_registered else "None (mean allreduce)"
         )
         settings["overlap_optimizer"] = repr(self.reducer.overlap is not None)  # it changes the bucket plan
+        # sparse embeddings get buckets of their own: a different sparse flag on one rank means other buckets
+        settings["sparse gradients"] = repr(
+            [name for name, sparse in zip(self.reducer.names, self.reducer.sparse_gradients) if sparse]
+        )
         if self._hook_registered:
             settings.update(_hook_state_settings(self.reducer.hook_state))
         return settings
