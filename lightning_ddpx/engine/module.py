@@ -30,6 +30,8 @@ from lightning_ddpx.engine.join import DDPXJoinHook, announce, broadcast_from
 from lightning_ddpx.engine.optimizer_overlap import OptimizerOverlap
 from lightning_ddpx.engine.profiling import label
 from lightning_ddpx.engine.reducer import CommHook, Phase, Reducer
+from lightning_ddpx.engine.replica_check import ReplicaReport, named_state, verify_replicas
+from lightning_ddpx.engine.trainable_set import TrainableSet
 
 __all__ = ["DistributedDataParallel"]
 
@@ -108,7 +110,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                 broadcast_from_rank0(
                     [p.detach() for _, p in named] + list(module.buffers()), self.process_group
                 )
-        trainable = [(name, p) for name, p in named if p.requires_grad]
+        self._trainable = TrainableSet(named)  # requires_grad may change later: followed at each sync forward
+        trainable = self._trainable.trainable()
         if not trainable:
             raise ValueError(
                 "lightning_ddpx.DistributedDataParallel: the module has no parameter with requires_grad=True, "
@@ -145,6 +148,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             rebuild_src, buffers_src = self._announce_to_joined_ranks(will_sync, sync_buffers)
         if will_sync:
             self._verify_settings_once()
+            self._follow_trainable_changes()
         self.reducer.prepare_forward(will_sync, rebuild_src=rebuild_src)
         if sync_buffers:
             self._broadcast_buffers(buffers_src)
@@ -207,6 +211,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         backward should synchronise and calls this with its loss (used to find unused parameters).
         """
         self._verify_settings_once()
+        self._follow_trainable_changes()
         self.reducer.prepare_forward(will_sync=True)
         self.reducer.prepare_backward(outputs)
 
@@ -220,6 +225,60 @@ class DistributedDataParallel(nn.Module, Joinable):
         ):
             verify_same_settings(self.settings(), self.process_group, self.device)
         self._settings_verified = True
+
+    def _follow_trainable_changes(self) -> None:
+        """Before a synchronised backward: if ``requires_grad`` changed on some parameter since the reducer was
+        built, agree on the new set across ranks and reduce it from this backward on
+        (:mod:`lightning_ddpx.engine.trainable_set`). Without a change: one pass over the flags, no collective."""
+        if not self._trainable.changed() or self.reducer.phase is Phase.REDUCING:
+            return
+        step = self.reducer.iterations_synced
+        if self._join_config.enable:
+            raise RuntimeError(
+                f"lightning_ddpx (rank {self.rank}): requires_grad changed on some parameter inside join() "
+                f"(before synchronised step {step + 1}); ranks that already joined cannot take part in re-planning "
+                "the buckets. Freeze or unfreeze parameters before entering join() (e.g. at the start of an "
+                "epoch), or outside the uneven-inputs loop."
+            )
+        with waiting_for(
+            f"every rank to compare its trainable parameters (requires_grad changed before synchronised step "
+            f"{step + 1})",
+            self.process_group,
+        ):
+            trainable = self._trainable.agree(self.process_group, self.device, step)
+            self.reducer.adopt_params([p for _, p in trainable], [name for name, _ in trainable])
+
+    def verify_replicas(
+        self,
+        *,
+        buffers: bool = False,
+        optimizer: torch.optim.Optimizer | None = None,
+        step: int | None = None,
+        what: str = "",
+    ) -> ReplicaReport:
+        """Collective: check that every rank holds bitwise the same parameters (and, if asked, buffers and
+        ``optimizer``'s state); raise :class:`~lightning_ddpx.engine.replica_check.ReplicaMismatchError` on
+        every rank, naming the first differing tensor and the ranks, if not.
+
+        Cheap (one pass over the bytes and one ``all_gather`` of a few integers: see
+        :mod:`lightning_ddpx.engine.replica_check`), so it can run every few hundred steps and before each
+        checkpoint. Call it on every rank at the same point, between iterations. ``step`` (default: the
+        synchronised steps so far) is compared too. Buffers are off by default: with ``broadcast_buffers``
+        the ranks' buffers differ between a forward and the next broadcast (e.g. BatchNorm statistics).
+        """
+        named = named_state(
+            self.module.named_parameters(),
+            self.module.named_buffers() if buffers else (),
+            optimizer,
+        )
+        with waiting_for("every rank's replica digest (verify_replicas)", self.process_group):
+            return verify_replicas(
+                named,
+                self.process_group,
+                self.synchronised_steps if step is None else step,
+                device=self.device,
+                what=what,
+            )
 
     def settings(self) -> dict[str, str]:
         """What must be equal on every rank, as text: reducer options, the comm hook and its options."""
