@@ -448,7 +448,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         return self.reducer.order_state()
 
     def load_reducer_state_dict(self, state: dict[str, Any]) -> None:
-        """Adopt a layout saved by :meth:`reducer_state_dict` (same parameters; every rank the same state)."""
+        """Adopt a layout saved by :meth:`reducer_state_dict` (same parameters; every rank the same state).
+
+        Parameters whose ``requires_grad`` changed since wrapping (a resumed fine-tuning run that unfroze its
+        backbone again) are followed first, so the layout of a run saved after unfreezing can be restored."""
+        self._follow_trainable_changes()
         self.reducer.load_order_state(state)
 
     def bucket_plan(self) -> list[BucketInfo]:
