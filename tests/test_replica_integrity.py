@@ -238,6 +238,9 @@ def test_digest_is_bitwise() -> None:
     for dtype in (torch.float16, torch.bfloat16, torch.int8, torch.bool, torch.float64):
         t = torch.ones(7, dtype=dtype)  # sizes not a multiple of 8 bytes are padded
         assert torch.equal(tensor_digest(t), tensor_digest(t.clone()))
+    swapped_elements = x.clone()
+    swapped_elements[[3, 700]] = x[[700, 3]]
+    assert not torch.equal(tensor_digest(x), tensor_digest(swapped_elements))  # order counts
     swapped = torch.stack([tensor_digest(torch.ones(3)), tensor_digest(torch.zeros(3))])
     assert not torch.equal(_fold(swapped), _fold(swapped.flip(0)))  # a digest moved to another tensor counts
 

@@ -5,9 +5,11 @@ averaged (a parameter unfrozen on one rank, a backward outside the wrapper, a cu
 nothing) lets them drift apart without any error. :func:`verify_replicas` makes that visible cheaply:
 
 - each rank reduces every tensor to a digest of its raw bytes: the bytes viewed as 64-bit words, summed
-  twice (the words, and the words times themselves), with wrap-around. A change of one word always changes
-  the first sum; two changes go unnoticed only if both sums collide. No floating-point arithmetic is
-  involved, so equal bytes give equal digests and ``-0.0`` differs from ``0.0`` (bitwise, as asked);
+  twice with wrap-around: the words, and their running sums (word ``i`` of ``n`` weighted by ``n - i``, so
+  moved values count too). A change of one word always changes the first sum; several changes go unnoticed
+  only if both sums collide. No floating-point arithmetic is involved, so equal bytes give equal digests
+  and ``-0.0`` differs from ``0.0`` (bitwise, as asked). A running sum costs about a tenth of squaring the
+  words (no multiply, and the temporary is written in one sequential pass): docs/benchmarks.md;
 - the per-tensor digests fold into one, weighted by the tensor's position, and one ``all_gather`` of a few
   int64s (the step, the tensor count, the folded digest) compares the ranks;
 - only on a mismatch, a second ``all_gather`` of the per-tensor digests finds the first tensor that
@@ -44,19 +46,18 @@ class ReplicaReport:
 
 
 def tensor_digest(tensor: torch.Tensor) -> torch.Tensor:
-    """Two int64 words that depend on every byte of ``tensor`` (wrap-around sums; see the module docstring)."""
+    """Two int64 words that depend on every byte of ``tensor`` and its order (wrap-around sums of the 64-bit
+    words and of their running sums; see the module docstring)."""
     flat = tensor.detach().reshape(-1)
     if flat.numel() == 0:
-        return torch.zeros(_WORDS_PER_DIGEST, dtype=torch.int64)
-    if flat.device.type != "cpu":
-        flat = flat.cpu()  # digests are tiny; the comparison travels on the CPU group's terms
+        return torch.zeros(_WORDS_PER_DIGEST, dtype=torch.int64, device=flat.device)
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
     raw = flat.contiguous().view(torch.uint8)
     if raw.numel() % 8:
         raw = torch.cat([raw, raw.new_zeros(8 - raw.numel() % 8)])
     words = raw.view(torch.int64)
-    return torch.stack([words.sum(), (words * words).sum()])
+    return torch.stack([words.sum(), words.cumsum(0).sum()])
 
 
 def named_state(
@@ -90,8 +91,8 @@ def named_state(
 def _fold(digests: torch.Tensor) -> torch.Tensor:
     """One digest for all tensors, weighted by position (odd weights: a digest moved to another tensor counts)."""
     if digests.numel() == 0:
-        return torch.zeros(_WORDS_PER_DIGEST, dtype=torch.int64)
-    weights = torch.arange(1, 2 * len(digests), 2, dtype=torch.int64).unsqueeze(1)
+        return torch.zeros(_WORDS_PER_DIGEST, dtype=torch.int64, device=digests.device)
+    weights = torch.arange(1, 2 * len(digests), 2, dtype=torch.int64, device=digests.device).unsqueeze(1)
     return (digests * weights).sum(0)
 
 
@@ -114,12 +115,14 @@ def verify_replicas(
     bitwise equal and every rank passed the same ``step``. ``device``: where the group's collectives run
     (CUDA for NCCL); ``what`` names the caller for the error (e.g. "before saving a checkpoint")."""
     device = device or torch.device("cpu")
+    # each digest computed where its tensor lives (no copy of the tensors), then gathered on ``device``
     digests = (
-        torch.stack([tensor_digest(t) for _, t in named])
+        torch.stack([tensor_digest(t).to(device) for _, t in named])
         if named
-        else torch.zeros(0, _WORDS_PER_DIGEST, dtype=torch.int64)
+        else torch.zeros(0, _WORDS_PER_DIGEST, dtype=torch.int64, device=device)
     )
-    summary = torch.cat([torch.tensor([step, len(named)], dtype=torch.int64), _fold(digests)])
+    head = torch.tensor([step, len(named)], dtype=torch.int64, device=device)
+    summary = torch.cat([head, _fold(digests)])
     gathered = _gather(summary, process_group, device)
     rank_of = dist.get_process_group_ranks(process_group)
     when = f" ({what})" if what else ""
