@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint
 
 from lightning_ddpx import DDPXStrategy
 from lightning_ddpx.engine.replica_check import ReplicaMismatchError
@@ -25,6 +25,7 @@ class FrozenFirstLayer(TinyRegressor):
 
     def __init__(self) -> None:
         super().__init__()
+        self.backbone = self.net[0]  # what BackboneFinetuning freezes and unfreezes (the same module)
         for p in self.net[0].parameters():
             p.requires_grad_(False)
 
@@ -55,13 +56,14 @@ class DivergeRank1(Callback):
                 pl_module.net[2].bias[0] += 1e-6
 
 
-def fit_unfrozen(rank: int, world_size: int, strategy_name: str) -> dict[str, Any]:
+def fit_unfrozen(rank: int, world_size: int, strategy_name: str, callback: str = "own") -> dict[str, Any]:
     quiet()
     if strategy_name == "ddp":
         strategy: Any = "ddp"
     else:
         strategy = DDPXStrategy(verify_replicas_every_n_steps=1, overlap_optimizer=strategy_name == "overlap")
-    _, model = fit(strategy, max_steps=12, model_cls=FrozenFirstLayer, callbacks=[UnfreezeAtEpoch1()])
+    unfreeze = UnfreezeAtEpoch1() if callback == "own" else BackboneFinetuning(unfreeze_backbone_at_epoch=1)
+    _, model = fit(strategy, max_steps=12, model_cls=FrozenFirstLayer, callbacks=[unfreeze])
     return parameters_of(model)
 
 
@@ -82,8 +84,9 @@ def fit_diverging(rank: int, world_size: int, checkpoint_dir: str | None) -> str
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy_name", ["plain", "overlap"])
-def test_a_backbone_unfrozen_mid_run_is_averaged(strategy_name: str) -> None:
-    ranks = run_distributed(fit_unfrozen, 2, strategy_name, init_process_group=False, timeout=180)
+@pytest.mark.parametrize("callback", ["own", "BackboneFinetuning"])
+def test_a_backbone_unfrozen_mid_run_is_averaged(strategy_name: str, callback: str) -> None:
+    ranks = run_distributed(fit_unfrozen, 2, strategy_name, callback, init_process_group=False, timeout=180)
     for name in ranks[0]:
         assert torch.equal(ranks[0][name], ranks[1][name]), name  # verified at every step too
     seed_everything(0, verbose=False)  # as fit() does: the initial weights
@@ -116,6 +119,16 @@ def test_a_diverged_run_is_not_checkpointed(tmp_path: os.PathLike) -> None:
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
+def test_fabric_verifies_every_n_steps_and_before_saving(tmp_path: os.PathLike) -> None:
+    outcomes = run_distributed(fabric_diverging, 2, str(tmp_path), init_process_group=False, timeout=180)
+    for out in outcomes:
+        assert "every 2 optimizer steps" in out["step"] and "at step 4" in out["step"], out
+        assert "parameter '0.weight'" in out["step"] and "ranks [1]" in out["step"], out
+        assert "before saving a checkpoint" in out["save"], out
+    assert os.listdir(tmp_path) == []
+
+
 def test_the_option_is_checked_when_the_strategy_is_built() -> None:
     for bad in (0, -1, 1.5, True, "10"):
         with pytest.raises(ValueError, match="verify_replicas_every_n_steps must be a positive number"):
@@ -124,3 +137,35 @@ def test_the_option_is_checked_when_the_strategy_is_built() -> None:
         ValueError, match="verify_replicas_every_n_steps cannot be combined with post-local SGD"
     ):
         DDPXStrategy(verify_replicas_every_n_steps=10, comm_hook="post_local_sgd", model_averaging_period=2)
+
+
+def fabric_diverging(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    from datetime import timedelta
+
+    from lightning.fabric import Fabric
+
+    from lightning_ddpx.lightning.fabric import DDPXStrategy as FabricDDPXStrategy
+
+    quiet()
+    strategy = FabricDDPXStrategy(timeout=timedelta(seconds=60), verify_replicas_every_n_steps=2)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 4))
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    out: dict[str, Any] = {}
+    for step in range(4):
+        if step == 3 and rank == 1:
+            with torch.no_grad():
+                model.module[0].weight[0, 0] += 1e-6
+        optimizer.zero_grad()
+        fabric.backward(model(torch.randn(4, 8) * (rank + 1)).pow(2).mean())
+        try:
+            optimizer.step()
+        except ReplicaMismatchError as error:
+            out["step"] = str(error)
+    try:
+        fabric.save(os.path.join(directory, "diverged.ckpt"), {"model": model})
+    except ReplicaMismatchError as error:
+        out["save"] = str(error)
+    return out
