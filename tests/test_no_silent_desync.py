@@ -27,6 +27,7 @@ rank that joined does not shadow them (as with torch's Join: use ``throw_on_earl
 from __future__ import annotations
 
 import io
+import zlib
 from typing import Any
 
 import pytest
@@ -61,7 +62,7 @@ def mlp() -> nn.Module:
 class Run:
     """One case's model, optimizer, hook state and averager, built afresh (or from a checkpoint)."""
 
-    def __init__(self, hook: str, mode: str, unfrozen: bool = False) -> None:
+    def __init__(self, hook: str, mode: str) -> None:
         self.hook, self.mode = hook, mode
         self.base = mlp()
         if mode == "unfrozen":  # frozen when wrapped
@@ -81,8 +82,6 @@ class Run:
             self.model.overlap_optimizer_with(self.optimizer)
         if mode == "compile":
             lightning_ddpx.compile_model(self.model, backend="aot_eager")
-        if unfrozen:
-            self.unfreeze()
 
     def unfreeze(self) -> None:
         """What Lightning's BackboneFinetuning does: unfreeze, and hand the parameters to the optimizer."""
@@ -134,10 +133,14 @@ class Run:
     @classmethod
     def resumed(cls, hook: str, mode: str, saved: bytes, step: int) -> Run:
         state = torch.load(io.BytesIO(saved), weights_only=True)
-        run = cls(hook, mode, unfrozen=mode == "unfrozen" and step >= UNFREEZE_AT)
+        run = cls(hook, mode)
         run.base.load_state_dict(state["model"])
-        run.optimizer.load_state_dict(state["optimizer"])
+        # Lightning's order: the layout is restored right after wrapping, with the backbone frozen again;
+        # the schedule unfreezes it afterwards (BackboneFinetuning re-adds its parameter group)
         run.model.load_reducer_state_dict(state["layout"])
+        if mode == "unfrozen" and step >= UNFREEZE_AT:
+            run.unfreeze()
+        run.optimizer.load_state_dict(state["optimizer"])
         if state["hook"] is not None:
             run.state.load_state_dict(state["hook"])
         if run.averager is not None:
@@ -167,7 +170,11 @@ def train(hook: str, mode: str, resume: bool) -> dict[str, torch.Tensor]:
             for step in range(start, end):
                 run.step(step)
                 run.verify(step)
-    return {name: p.detach().clone() for name, p in run.base.named_parameters()}
+    final = {name: p.detach().clone() for name, p in run.base.named_parameters()}
+    final["bucket plan"] = torch.tensor(  # the resumed run must reduce the saved run's buckets
+        [zlib.crc32(",".join(info.parameter_names).encode()) for info in run.model.bucket_plan()]
+    )
+    return final
 
 
 def _local_digest(run: Run) -> torch.Tensor:

@@ -111,6 +111,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                     [p.detach() for _, p in named] + list(module.buffers()), self.process_group
                 )
         self._trainable = TrainableSet(named)  # requires_grad may change later: followed at each sync forward
+        self._pending_layout: dict[str, Any] | None = None  # a loaded layout for parameters frozen now
         trainable = self._trainable.trainable()
         if not trainable:
             raise ValueError(
@@ -247,6 +248,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         ):
             trainable = self._trainable.agree(self.process_group, self.device, step)
             self.reducer.adopt_params([p for _, p in trainable], [name for name, _ in trainable])
+        layout, self._pending_layout = self._pending_layout, None
+        if layout is not None and set(layout["parameter_order"]) == {name for name, _ in trainable}:
+            self.reducer.load_order_state(layout)  # a saved layout waiting for these parameters
 
     def verify_replicas(
         self,
@@ -450,9 +454,16 @@ class DistributedDataParallel(nn.Module, Joinable):
     def load_reducer_state_dict(self, state: dict[str, Any]) -> None:
         """Adopt a layout saved by :meth:`reducer_state_dict` (same parameters; every rank the same state).
 
-        Parameters whose ``requires_grad`` changed since wrapping (a resumed fine-tuning run that unfroze its
-        backbone again) are followed first, so the layout of a run saved after unfreezing can be restored."""
+        A fine-tuning run saved after unfreezing its backbone is resumed with the backbone frozen again until
+        the schedule unfreezes it: ``requires_grad`` changes are followed first, and a layout naming
+        parameters that are frozen now is kept and adopted when exactly its parameters are trainable (at the
+        forward that notices the change), so the resumed run reduces the saved buckets."""
         self._follow_trainable_changes()
+        names = set(state["parameter_order"])
+        trainable = {name for name, _ in self._trainable.trainable()}
+        if names != trainable and names <= {name for name, _ in self._trainable.named}:
+            self._pending_layout = state  # frozen now: wait until they are trainable
+            return
         self.reducer.load_order_state(state)
 
     def bucket_plan(self) -> list[BucketInfo]:
