@@ -132,10 +132,12 @@ def torch_ddp_unfrozen() -> dict[str, Any]:
     return {"spread": spread(base[0].weight)}
 
 
-def frozen_after_wrapping(overlap: bool) -> dict[str, Any]:
+def frozen_after_wrapping(overlap: bool, find_unused: bool = False) -> dict[str, Any]:
     """``4.weight``/``4.bias`` (the output layer) frozen after two steps: no hang, no error, still equal."""
     base = mlp()
-    model = lightning_ddpx.DistributedDataParallel(base, bucket_cap_mb=0.001, first_bucket_cap_mb=0.0002)
+    model = lightning_ddpx.DistributedDataParallel(
+        base, bucket_cap_mb=0.001, first_bucket_cap_mb=0.0002, find_unused_parameters=find_unused
+    )
     optimizer = sgd(base.parameters())
     if overlap:
         model.overlap_optimizer_with(optimizer)
@@ -148,6 +150,7 @@ def frozen_after_wrapping(overlap: bool) -> dict[str, Any]:
             if overlap:
                 model.overlap_optimizer_with(optimizer)
             frozen_at = base[4].weight.detach().clone()
+            grad_at_freeze = base[4].weight.grad.clone()
         optimizer.zero_grad()
         loss_of(model, step).backward()
         if not overlap:
@@ -156,6 +159,7 @@ def frozen_after_wrapping(overlap: bool) -> dict[str, Any]:
     assert frozen_at is not None
     return {
         "frozen_moved": float((base[4].weight - frozen_at).abs().max()),
+        "frozen_grad_kept": torch.equal(base[4].weight.grad, grad_at_freeze),
         "spread": spread(base[0].weight),
         "reduced": sorted(name for info in model.bucket_plan() for name in info.parameter_names),
     }
@@ -211,6 +215,7 @@ SCENARIOS = {
     "torch_ddp_unfrozen": torch_ddp_unfrozen,
     "frozen_plain": lambda: frozen_after_wrapping(overlap=False),
     "frozen_overlap": lambda: frozen_after_wrapping(overlap=True),
+    "frozen_find_unused": lambda: frozen_after_wrapping(overlap=False, find_unused=True),
     "grad_scaler": overlap_with_grad_scaler,
     "hooks_plain": lambda: global_hooks(overlap=False),
     "hooks_overlap": lambda: global_hooks(overlap=True),
@@ -278,7 +283,7 @@ def test_torch_ddp_leaves_unfrozen_parameters_unaveraged(outcomes: list[dict[str
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["frozen_plain", "frozen_overlap"])
+@pytest.mark.parametrize("name", ["frozen_plain", "frozen_overlap", "frozen_find_unused"])
 def test_parameters_frozen_after_wrapping_leave_the_reduction(
     outcomes: list[dict[str, Any]], name: str
 ) -> None:
@@ -286,7 +291,10 @@ def test_parameters_frozen_after_wrapping_leave_the_reduction(
         result = outcome[name]
         assert result["frozen_moved"] == 0.0
         assert result["spread"] == 0.0
-        assert "4.weight" not in result["reduced"] and "0.weight" in result["reduced"]
+        assert result["frozen_grad_kept"]  # nothing wrote its gradient since it was frozen
+        # with find_unused_parameters a frozen parameter is one more unused one: no new plan needed
+        assert ("4.weight" in result["reduced"]) == (name == "frozen_find_unused")
+        assert "0.weight" in result["reduced"]
 
 
 @pytest.mark.slow

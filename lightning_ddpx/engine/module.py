@@ -110,7 +110,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                 broadcast_from_rank0(
                     [p.detach() for _, p in named] + list(module.buffers()), self.process_group
                 )
-        self._trainable = TrainableSet(named)  # requires_grad may change later: followed at each sync forward
+        # requires_grad may change later: followed at each synchronising forward
+        self._trainable = TrainableSet(named, unused_allowed=find_unused_parameters)
         self._pending_layout: dict[str, Any] | None = None  # a loaded layout for parameters frozen now
         trainable = self._trainable.trainable()
         if not trainable:

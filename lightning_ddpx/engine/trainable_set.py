@@ -29,17 +29,27 @@ __all__ = ["TrainableSet"]
 class TrainableSet:
     """The module's parameters and which of them the reducer currently reduces (``requires_grad``)."""
 
-    def __init__(self, named: Sequence[tuple[str, nn.Parameter]]) -> None:
+    def __init__(self, named: Sequence[tuple[str, nn.Parameter]], unused_allowed: bool = False) -> None:
         self.named = list(named)
         self._params = [p for _, p in self.named]
         self.flags = self._current()
+        # find_unused_parameters: a reduced parameter frozen later is one more unused parameter (its gradient
+        # left alone when no rank used it), so freezing alone needs no new plan; only newcomers do. That keeps
+        # toggle_optimizer (GAN-style manual optimisation, which flips requires_grad every step) cheap.
+        self.unused_allowed = unused_allowed
 
     def _current(self) -> bytes:
         return bytes([p.requires_grad for p in self._params])
 
     def changed(self) -> bool:
-        """Whether some parameter's ``requires_grad`` differs from what the reducer reduces (no collective)."""
-        return self._current() != self.flags
+        """Whether the reducer must take up new flags: some parameter's ``requires_grad`` differs from what it
+        reduces (with ``unused_allowed``: some parameter it does not reduce became trainable). No collective."""
+        current = self._current()
+        if current == self.flags:
+            return False
+        if self.unused_allowed:
+            return any(now > before for now, before in zip(current, self.flags))
+        return True
 
     def trainable(self) -> list[tuple[str, nn.Parameter]]:
         return [(name, p) for (name, p), flag in zip(self.named, self.flags) if flag]
