@@ -208,6 +208,36 @@ def global_hooks(overlap: bool) -> dict[str, Any]:
     return {"counts": counts, "buckets": len(model.bucket_plan())}
 
 
+def trainable_set_errors() -> dict[str, str]:
+    """The named errors: flags changed differently on the ranks (both notice), inside join(), all frozen."""
+    out: dict[str, str] = {}
+    base = mlp()
+    for p in base[0].parameters():
+        p.requires_grad_(False)
+    model = lightning_ddpx.DistributedDataParallel(base)
+    loss_of(model, 0).backward()
+    # rank 0 unfreezes 0.weight, rank 1 0.bias: both notice a change, and the comparison names the first
+    getattr(base[0], "weight" if dist.get_rank() == 0 else "bias").requires_grad_(True)
+    try:
+        loss_of(model, 1).backward()
+    except RuntimeError as error:
+        out["disagree"] = str(error)
+    for p in base.parameters():
+        p.requires_grad_(False)
+    try:
+        model(torch.ones(2, 16))
+    except ValueError as error:
+        out["all_frozen"] = str(error)
+    for p in base.parameters():
+        p.requires_grad_(True)
+    try:
+        with model.join():
+            loss_of(model, 2).backward()
+    except RuntimeError as error:
+        out["join"] = str(error)
+    return out
+
+
 SCENARIOS = {
     "verification": verification,
     "unfrozen_plain": lambda: unfrozen_after_wrapping(overlap=False),
@@ -217,6 +247,7 @@ SCENARIOS = {
     "frozen_overlap": lambda: frozen_after_wrapping(overlap=True),
     "frozen_find_unused": lambda: frozen_after_wrapping(overlap=False, find_unused=True),
     "grad_scaler": overlap_with_grad_scaler,
+    "trainable_set_errors": trainable_set_errors,
     "hooks_plain": lambda: global_hooks(overlap=False),
     "hooks_overlap": lambda: global_hooks(overlap=True),
 }
@@ -313,3 +344,15 @@ def test_global_optimizer_hooks_fire_once_per_step(outcomes: list[dict[str, Any]
         assert result["counts"] == [{"pre": s, "post": s} for s in (1, 2, 3)], result
         if name == "hooks_overlap":
             assert result["buckets"] >= 2  # several bucket steps (and slices) per step
+
+
+@pytest.mark.slow
+def test_requires_grad_changes_that_cannot_be_followed_are_named(outcomes: list[dict[str, Any]]) -> None:
+    for outcome in outcomes:
+        result = outcome["trainable_set_errors"]
+        assert (
+            "not alike on every rank: parameter '0.weight' has requires_grad by rank {0: True, 1: False}"
+            in (result["disagree"])
+        ), result
+        assert "requires_grad changed on some parameter inside join()" in result["join"], result
+        assert "every parameter now has requires_grad=False" in result["all_frozen"], result
