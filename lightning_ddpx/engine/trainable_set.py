@@ -17,6 +17,7 @@ collectives do not match (a hang report names the comparison it waits in).
 
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import torch
@@ -24,6 +25,8 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["TrainableSet"]
+
+log = logging.getLogger(__name__)
 
 
 class TrainableSet:
@@ -73,7 +76,9 @@ class TrainableSet:
                 "nothing to synchronise in this backward. Keep at least one parameter trainable, or run the "
                 "forward under torch.no_grad()."
             )
-        self.last_change = self._describe(old, current)
+        log.debug(
+            "lightning_ddpx: requires_grad changed before step %d: %s", step + 1, self._describe(old, current)
+        )
         return self.trainable()
 
     def _describe(self, old: bytes, new: bytes) -> str:
