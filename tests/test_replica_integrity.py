@@ -238,6 +238,18 @@ def trainable_set_errors() -> dict[str, str]:
     return out
 
 
+def verify_inside_backward() -> dict[str, str]:
+    """verify_replicas from a gradient hook is refused (last scenario: the backward is left unfinished)."""
+    base = mlp()
+    model = lightning_ddpx.DistributedDataParallel(base)
+    base[0].weight.register_post_accumulate_grad_hook(lambda _: model.verify_replicas())
+    try:
+        loss_of(model, 0).backward()
+    except RuntimeError as error:
+        return {"error": str(error)}
+    return {"error": "none"}
+
+
 SCENARIOS = {
     "verification": verification,
     "unfrozen_plain": lambda: unfrozen_after_wrapping(overlap=False),
@@ -250,6 +262,7 @@ SCENARIOS = {
     "trainable_set_errors": trainable_set_errors,
     "hooks_plain": lambda: global_hooks(overlap=False),
     "hooks_overlap": lambda: global_hooks(overlap=True),
+    "verify_inside_backward": verify_inside_backward,  # last: leaves its backward unfinished
 }
 
 
@@ -356,3 +369,12 @@ def test_requires_grad_changes_that_cannot_be_followed_are_named(outcomes: list[
         ), result
         assert "requires_grad changed on some parameter inside join()" in result["join"], result
         assert "every parameter now has requires_grad=False" in result["all_frozen"], result
+
+
+@pytest.mark.slow
+def test_verification_inside_backward_is_refused(outcomes: list[dict[str, Any]]) -> None:
+    for outcome in outcomes:
+        assert (
+            "verify_replicas was called while this rank's backward is reducing"
+            in outcome["verify_inside_backward"]["error"]
+        )

@@ -271,6 +271,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         synchronised steps so far) is compared too. Buffers are off by default: with ``broadcast_buffers``
         the ranks' buffers differ between a forward and the next broadcast (e.g. BatchNorm statistics).
         """
+        if self.reducer.phase is Phase.REDUCING:
+            raise RuntimeError(
+                f"lightning_ddpx (rank {self.rank}): verify_replicas was called while this rank's backward is "
+                "reducing gradients (from a gradient hook or a backward callback); its collective would interleave "
+                "with the buckets'. Call it between iterations, on every rank."
+            )
         named = named_state(
             self.module.named_parameters(),
             self.module.named_buffers() if buffers else (),
