@@ -357,3 +357,31 @@ def test_a_sparse_flag_set_on_one_rank_only_is_named_before_the_first_reduction(
     """The bucket plans would differ (a hang or a collective mismatch); the settings check names it."""
     for message in run_distributed(sparse_on_one_rank, 2, timeout=120):
         assert "sparse gradients" in message and "emb.weight" in message, message
+
+
+def unfrozen_sparse_embedding(rank: int, world_size: int) -> dict[str, Any]:
+    """The sparse embedding frozen at wrapping and unfrozen after two steps (a fine-tuning schedule)."""
+    torch.manual_seed(0)
+    local = Embedded()
+    local.emb.weight.requires_grad_(False)
+    model = lightning_ddpx.DistributedDataParallel(copy.deepcopy(local), **SMALL_BUCKETS)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    start = model.module.emb.weight.detach().clone()
+    kinds = []
+    for step in range(5):
+        if step == 2:
+            model.module.emb.weight.requires_grad_(True)
+        optimizer.zero_grad()
+        _loss(model, step).backward()
+        grad = model.module.emb.weight.grad
+        kinds.append(None if grad is None else grad.layout)
+        optimizer.step()
+        model.verify_replicas()  # bitwise equal on every rank, every step
+    return {"moved": not torch.equal(start, model.module.emb.weight), "kinds": kinds}
+
+
+@pytest.mark.slow
+def test_a_sparse_embedding_unfrozen_after_wrapping_is_averaged_sparse() -> None:
+    for outcome in run_distributed(unfrozen_sparse_embedding, 2):
+        assert outcome["moved"]
+        assert outcome["kinds"] == [None, None, torch.sparse_coo, torch.sparse_coo, torch.sparse_coo]

@@ -1062,6 +1062,42 @@ class Reducer:
         self._launcher.close()
         self.progress.close()
 
+    def adopt_params(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        names: Sequence[str],
+        sparse_gradients: Sequence[bool] | None = None,
+    ) -> None:
+        """Reduce ``params`` from now on: the module's trainable parameters changed (``requires_grad`` flipped
+        after wrapping; :mod:`lightning_ddpx.engine.trainable_set`). Every rank calls this between iterations
+        with the same list. As at construction: gradient hooks on the new list, buckets in reverse order,
+        re-planned from the next synchronised backward's gradient order, static_graph recording anew; the
+        hook, its state and the overlap stay."""
+        if self.phase is not Phase.IDLE:
+            raise RuntimeError("lightning_ddpx: the reduced parameters can only change between iterations")
+        for handle in self._handles:
+            handle.remove()
+        # "used since the last synchronisation" (no_sync gradients) follows each parameter to its new index
+        used_before = {id(p) for p, used in zip(self.params, self._locally_used) if used}
+        self.params, self.names = list(params), list(names)
+        self.sparse_gradients = list(sparse_gradients or [False] * len(self.params))
+        self._locally_used = bytearray(id(p) in used_before for p in self.params)
+        self._index_of = {id(p): i for i, p in enumerate(self.params)}
+        self._on_cuda = any(p.device.type == "cuda" for p in self.params)
+        self._grad_streams = [None] * len(self.params)
+        if self.static is not None:
+            self.static = StaticGraph(self.names)
+        # the slots are sized for whole parameters: keep them if they hold the new set (a subset does), else map
+        # new ones (a collective on two CPU ranks; 15 ms for 300 tensors, so not on every toggle)
+        exchange = self.shared_memory
+        if exchange is None or not exchange.holds([p.numel() * p.element_size() for p in self.params]):
+            self.shared_memory, self.shared_memory_refusal = self._open_shared_memory()
+        self._ready_order, self._rebuild_pending = [], False
+        self._install_plan(list(reversed(range(len(self.params)))))
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._make_grad_hook(i)) for i, p in enumerate(self.params)
+        ]
+
     def set_overlap(self, overlap: Any) -> None:
         """Step the optimizer through ``overlap`` at the end of backward (``None``: the plain step). Switching
         between the two re-plans at once along the current buffer order (between iterations only; a rebuild

@@ -30,7 +30,12 @@ from lightning_ddpx.hooks import (
     fp16_compress_wrapper,
 )
 from lightning_ddpx.hooks.registry import hook_entry, hooks_taking
-from lightning_ddpx.lightning import checkpoint_state, optimizer_overlap_setup, post_local_sgd_setup
+from lightning_ddpx.lightning import (
+    checkpoint_state,
+    optimizer_overlap_setup,
+    post_local_sgd_setup,
+    replica_verification,
+)
 from lightning_ddpx.lightning.uneven import LockstepLoader, StepQueue, UnevenInputs, check_uneven_inputs
 
 __all__ = ["CommHookFn", "DDPXConfig", "DDPXConfigAttributes", "STRATEGY_NAMES", "register_strategy_names"]
@@ -178,6 +183,17 @@ class DDPXConfig:
         strategies=("Trainer",),  # Fabric has no step loop to log from: fabric.take_comm_stats(model) instead
     )
 
+    verify_replicas_every_n_steps: Optional[int] = _option(
+        None,
+        "compare every rank's parameters bitwise every N optimizer steps and before each checkpoint is saved "
+        "(a digest per parameter, one small ``all_gather``); a mismatch raises on every rank naming the first "
+        "differing parameter, the ranks and the step. ``None``: never. See docs/engine.md (replica "
+        "verification).",
+        fabric_doc="as in the Trainer strategy: every N ``optimizer.step()`` calls of optimizers set up by Fabric, "
+        "and in ``fabric.save``, for every model set up by this strategy. See docs/engine.md (replica "
+        "verification).",
+    )
+
     def __post_init__(self) -> None:
         for f in fields(self):  # each option's own check, declared with it
             check = f.metadata.get("check")
@@ -197,6 +213,10 @@ class DDPXConfig:
         )
         optimizer_overlap_setup.check_option(
             self.overlap_optimizer, post_local_sgd_setup.is_configured(self.post_local_sgd, self.comm_state)
+        )
+        replica_verification.check_option(
+            self.verify_replicas_every_n_steps,
+            post_local_sgd_setup.is_configured(self.post_local_sgd, self.comm_state),
         )
         object.__setattr__(self, "bucket_cap_mb", float(self.bucket_cap_mb))
         object.__setattr__(self, "first_bucket_cap_mb", float(self.first_bucket_cap_mb))

@@ -49,6 +49,7 @@ from lightning_ddpx.lightning.config import DDPXConfigAttributes, ddp_device_ids
 from lightning_ddpx.lightning.ddp_kwargs import build_ddpx_config
 from lightning_ddpx.lightning.options import takes_ddpx_options
 from lightning_ddpx.lightning.process_exit import destroy_process_group_at_exit
+from lightning_ddpx.lightning.replica_verification import ReplicaVerifier
 from lightning_ddpx.lightning.uneven import StepInfo, StepQueue
 
 __all__ = ["DDPXStrategy", "take_comm_stats"]
@@ -95,6 +96,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         self._averaged: list[tuple[DistributedDataParallel, ModelAverager]] = []
         self._uneven_steps = StepQueue(on_push=self._on_batch_fetched)
         self._modules: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
+        self._replicas = ReplicaVerifier(self.ddpx_config.verify_replicas_every_n_steps)  # in set-up order
 
     @property
     @override
@@ -131,6 +133,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         if averager is not None:
             self._averaged.append((wrapped, averager))
         self._modules.add(wrapped)
+        self._replicas.track(wrapped)
         return wrapped
 
     @override
@@ -195,12 +198,14 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
 
         With ``overlap_optimizer``, nothing when the last backward already stepped this optimizer."""
         if self.overlap_optimizer and optimizer_overlap_setup.stepped_in_backward(self._modules, optimizer):
+            self._replicas.after_optimizer_step()
             return None
         output = super().optimizer_step(optimizer, **kwargs)
         for module, averager in self._averaged:
             if post_local_sgd_setup.owns_params(module, optimizer):
                 post_local_sgd_setup.check_optimizers([optimizer])
                 post_local_sgd_setup.average_after_step(averager, optimizer)
+        self._replicas.after_optimizer_step()
         return output
 
     @override
@@ -229,6 +234,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         each in the Trainer strategy's entry format. Fabric calls this on every rank, as gathering needs.
         """
         modules = _our_modules(state)
+        self._replicas.before_save(modules.values())  # a diverged run must not be saved as rank 0's weights
         if modules:
             if CHECKPOINT_KEY in state:
                 raise ValueError(

@@ -51,6 +51,7 @@ from lightning_ddpx.lightning.config import DDPXConfigAttributes, register_strat
 from lightning_ddpx.lightning.ddp_kwargs import build_ddpx_config
 from lightning_ddpx.lightning.options import takes_ddpx_options
 from lightning_ddpx.lightning.process_exit import destroy_process_group_at_exit
+from lightning_ddpx.lightning.replica_verification import ReplicaVerifier
 from lightning_ddpx.lightning.uneven import StepQueue
 
 __all__ = ["DDPXStrategy"]
@@ -113,6 +114,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         self._averager: Optional[ModelAverager] = None  # post-local SGD: averages after optimizer_step
         self._pending_replica: Optional[dict[str, Any]] = None  # this rank's weights from a checkpoint
         self._uneven_steps = StepQueue()  # what the ranks agreed for each fetched training batch
+        self._replicas = ReplicaVerifier(self.ddpx_config.verify_replicas_every_n_steps)
 
     # ------------------------------------------------------------------------------------ description
     @property
@@ -194,7 +196,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
 
         With ``overlap_optimizer`` the closure's backward steps the optimizer: run only the closure."""
         if self.overlap_optimizer:
-            return optimizer_overlap_setup.step_with_closure(
+            output = optimizer_overlap_setup.step_with_closure(
                 self.precision_plugin,
                 self.model,
                 model or self.lightning_module,
@@ -202,10 +204,15 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
                 closure,
                 **kwargs,
             )
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._averager is not None:
-            post_local_sgd_setup.average_after_step(self._averager, optimizer)
+        else:
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+            if self._averager is not None:
+                post_local_sgd_setup.average_after_step(self._averager, optimizer)
+        self._replicas.after_optimizer_step(self._our_model())
         return output
+
+    def _our_model(self) -> list[DistributedDataParallel]:
+        return [self.model] if isinstance(self.model, DistributedDataParallel) else []
 
     @override
     def configure_ddp(self) -> None:
@@ -341,6 +348,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         Also after ``fit`` (``trainer.save_checkpoint`` once training ended): the state outlives the module.
         Weights-only checkpoints (no optimizer states) stay weights only.
         """
+        self._replicas.before_save(self._our_model())  # a diverged run must not be saved as rank 0's weights
         if self._averager is not None and "optimizer_states" in checkpoint and dist.is_initialized():
             self._add_local_replicas(checkpoint)
         if self._hook_registered and "optimizer_states" in checkpoint and dist.is_initialized():
