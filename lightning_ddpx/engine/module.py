@@ -36,6 +36,7 @@ from lightning_ddpx.engine.placement import DeviceLike, resolve_placement, side_
 from lightning_ddpx.engine.profiling import label
 from lightning_ddpx.engine.reducer import CommHook, Phase, Reducer
 from lightning_ddpx.engine.replica_check import ReplicaReport, named_state, verify_replicas
+from lightning_ddpx.engine.shared_memory import local_obstacles
 from lightning_ddpx.engine.sparse import expects_sparse_gradients
 from lightning_ddpx.engine.trainable_set import TrainableSet
 
@@ -166,9 +167,14 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._input_device = placement.input_device
         self.dim = dim
         _check_sync_batchnorm(module, self.device)
+        # Every rank's shared-memory obstacles (lightning_ddpx.engine.shared_memory), carried by the model check;
+        # without the check the reducer gathers them itself
+        self._shared_memory_obstacles: list[int] | None = None
         if init_sync:
             with waiting_for("every rank to describe its model (construction)", self.process_group):
-                verify_same_parameters(named, self.process_group, self.device)
+                self._shared_memory_obstacles = verify_same_parameters(
+                    named, self.process_group, self.device, local_obstacles(self.device.type == "cpu")
+                )
             with waiting_for("rank 0's parameters and buffers (construction)", self.process_group):
                 broadcast_from_rank0(
                     [p.detach() for _, p in named] + self._synced_buffers(), self.process_group
@@ -202,6 +208,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             static_graph=self.static_graph,
             sparse_gradients=expects_sparse_gradients(self.module, [p for _, p in trainable]),
+            shared_memory_obstacles=self._shared_memory_obstacles,
         )
 
     def _synced_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -250,6 +257,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         state["_reducer"] = None
         state["_hook_registered"] = False
         state["_settings_verified"] = False
+        state["_shared_memory_obstacles"] = None  # the process that loads it has its own environment
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -375,7 +383,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _broadcast_buffers(self, src: int = 0) -> None:
         # Looked up through the slots found at construction, as torch's DDP does, rather than walking every
-        # submodule each step (0.1-0.4 ms on models of hundreds of layers, most of which have no buffer);
+        # submodule each step (what that cost: docs/benchmarks.md, "Per-parameter cost");
         # looking each up by name still follows a buffer replaced by assignment (e.g. module.to()).
         buffers = self._synced_buffers()
         if buffers:

@@ -37,7 +37,13 @@ from lightning_ddpx.engine.grad_bucket import (
 from lightning_ddpx.engine.graph import reachable_parameter_indices
 from lightning_ddpx.engine.launcher import InlineLauncher, SequencedLauncher
 from lightning_ddpx.engine.profiling import label
-from lightning_ddpx.engine.shared_memory import SharedMemoryExchange, open_exchange
+from lightning_ddpx.engine.shared_memory import (
+    SharedMemoryExchange,
+    gather_obstacles,
+    local_obstacles,
+    obstacles_refusal,
+    open_exchange,
+)
 from lightning_ddpx.engine.sparse import empty_sparse_like, sparse_refusal
 from lightning_ddpx.engine.static_graph import StaticGraph
 
@@ -56,8 +62,8 @@ def _sum_allreduce_hook(process_group: dist.ProcessGroup, bucket: GradBucket) ->
 
 # Two ranks on the CPU: a bucket this large or larger is reduced as two all-reduces of its halves, issued
 # together. gloo runs concurrent collectives on its worker threads (two per process group by default), so
-# the halves travel in parallel: 0.78-0.92x the time of one all-reduce at 4-16.8 MB, not at 1-2 MB
-# (benchmarks/bench_collectives.py, docs/benchmarks.md).
+# the halves travel in parallel: faster than one all-reduce from 4 MB on, not at 1-2 MB (figures:
+# docs/benchmarks.md, "Large buckets in halves"; benchmarks/bench_collectives.py).
 _HALVES_MIN_BYTES = 4 * 1024 * 1024
 
 
@@ -127,6 +133,7 @@ class Reducer:
         gradient_as_bucket_view: bool,
         static_graph: bool = False,
         sparse_gradients: Sequence[bool] | None = None,
+        shared_memory_obstacles: Sequence[int] | None = None,
     ) -> None:
         self.params = list(params)
         # parameters whose gradients are sparse (embeddings with sparse=True): each in a bucket of its own
@@ -162,7 +169,11 @@ class Reducer:
         self.split_large_buckets = True
         # Two CPU ranks on one machine, default path: sum buckets through shared memory instead of gloo's
         # loopback (lightning_ddpx.engine.shared_memory); off only to measure what that gains (set it alike on
-        # every rank: the collectives differ)
+        # every rank: the collectives differ). Every rank's local_obstacles, when a collective at construction
+        # already carried them (the module's model check); None: the set-up gathers them itself.
+        self._shared_memory_obstacles = (
+            None if shared_memory_obstacles is None else list(shared_memory_obstacles)
+        )
         exchange, refusal = self._open_shared_memory()
         self.shared_memory: SharedMemoryExchange | None = exchange
         self.shared_memory_refusal: str | None = refusal  # why not, when shared memory is not set up
@@ -225,21 +236,33 @@ class Reducer:
         self._reset_iteration()
 
     def _open_shared_memory(self) -> tuple[SharedMemoryExchange | None, str | None]:
-        """Two gloo ranks with CPU parameters: map the shared-memory slots (collective; none on every rank
-        when they are on different machines or any rank cannot). Returns the exchange, or why not."""
+        """Two gloo ranks with CPU parameters: map the shared-memory slots (none on every rank when any rank
+        cannot take part). Returns the exchange, or why not.
+
+        No collective when every rank knows alike that shared memory is out (world size, backend) or when
+        the ranks' obstacles, already gathered, rule it out (``DDPX_SHARED_MEMORY=0`` on any rank...);
+        otherwise collective (:mod:`lightning_ddpx.engine.shared_memory`, "Set-up")."""
         backend = dist.get_backend(self.process_group)
         if self.world_size != 2:
             return (
                 None,
                 f"{self.world_size} ranks: shared memory serves two (more would not sum like gloo's ring)",
             )
-        if not all(p.device.type == "cpu" for p in self.params) or backend != "gloo":
-            return None, f"parameters not all on the CPU, or backend {backend!r} rather than gloo"
+        if backend != "gloo":
+            return None, f"backend {backend!r} rather than gloo"
+        if self._shared_memory_obstacles is None:  # built without the model check that carries them
+            on_cpu = all(p.device.type == "cpu" for p in self.params)
+            with waiting_for("the other rank to say whether it can use shared memory", self.process_group):
+                self._shared_memory_obstacles = gather_obstacles(self.process_group, local_obstacles(on_cpu))
+        refusal = obstacles_refusal(self._shared_memory_obstacles, dist.get_rank(self.process_group))
+        if refusal is not None:
+            return None, refusal
         sizes = [
             0 if sparse else p.numel() * p.element_size()
             for p, sparse in zip(self.params, self.sparse_gradients)
         ]
-        return open_exchange(self.process_group, sizes)
+        with waiting_for("the other rank to map the shared-memory slots", self.process_group):
+            return open_exchange(self.process_group, sizes)
 
     def _plan_last_bucket_chunks(self) -> list[tuple[int, int]] | None:
         """With the overlap, on the CPU: the element ranges in which the default path reduces the last
@@ -1088,7 +1111,7 @@ class Reducer:
         if self.static is not None:
             self.static = StaticGraph(self.names)
         # the slots are sized for whole parameters: keep them if they hold the new set (a subset does), else map
-        # new ones (a collective on two CPU ranks; 15 ms for 300 tensors, so not on every toggle)
+        # new ones (collectives and a new file on two CPU ranks: not on every toggle)
         exchange = self.shared_memory
         if exchange is None or not exchange.holds([p.numel() * p.element_size() for p in self.params]):
             self.shared_memory, self.shared_memory_refusal = self._open_shared_memory()
