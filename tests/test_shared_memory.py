@@ -107,6 +107,14 @@ def test_create_refuses_when_dev_shm_lacks_room(monkeypatch: pytest.MonkeyPatch)
     assert refusal is not None and "MiB free" in refusal and "--shm-size" in refusal
 
 
+def test_create_refuses_when_the_container_limit_lacks_room(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shared_memory, "cgroup_memory_room", lambda: 100 * MIB)
+    before = _dev_shm_names()
+    fd, token, refusal = shared_memory._create(60 * MIB)
+    assert fd is None and token is None and _dev_shm_names() == before
+    assert refusal is not None and "memory limit (cgroup) leaves 100 MiB" in refusal, refusal
+
+
 def test_room_refusal_weighs_dev_shm_and_the_container_limit() -> None:
     slots = 400 * MIB
     assert shared_memory.room_refusal(slots, 10_000 * MIB, None) is None

@@ -204,7 +204,7 @@ def open_exchange(
     Call on both ranks once every rank wants shared memory (:func:`obstacles_refusal` said ``None`` on
     both). Returns the exchange and ``None``, or ``None`` and why this rank falls back to gloo. A failing
     collective (a peer that died) raises the backend's error (the caller names what it waited for); the
-    file has no name in ``/dev/shm`` at any point, so nothing is left behind.
+    file has no name in ``/dev/shm`` by the time any collective starts, so nothing is left behind.
     """
     rank = dist.get_rank(process_group)
     world_size = dist.get_world_size(process_group)
