@@ -3,7 +3,8 @@ tests.notebook_job OUT``.
 
 ``sys.ps1`` is set before Lightning is imported, which is how Lightning recognises an interactive
 environment. The session then trains the same model with Lightning's ``ddp_notebook`` and twice with
-``ddpx_notebook`` (2 CPU processes forked from this one; Lightning copies rank 0's weights back here), tries
+``ddpx_notebook`` (2 CPU processes forked from this one; Lightning copies rank 0's weights back here), runs
+a Fabric loop with each of ``ddp_notebook`` and ``ddpx_notebook``, tries
 ``ddpx`` (refused: it would re-run the notebook as a script) and saves what it saw to OUT.
 """
 
@@ -36,6 +37,28 @@ def train(strategy: str) -> dict[str, object]:
     }
 
 
+def fabric_steps(fabric) -> dict[str, list]:
+    """Three steps of a Fabric loop on this rank's own batches; runs in each forked process."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * fabric.global_rank + step))
+        fabric.backward(model(x).square().mean())
+        optimizer.step()
+        optimizer.zero_grad()
+    fabric.strategy.teardown()
+    # plain lists: tensors returned through the launcher's queue are shared by file descriptor, gone with the rank
+    return {name: p.detach().tolist() for name, p in model.named_parameters()}
+
+
+def fabric_train(strategy: str) -> dict[str, object]:
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    return {"params": fabric.launch(fabric_steps), "class": type(fabric.strategy).__name__}  # rank 0's
+
+
 def main(out: str) -> None:
     quiet()
     warnings.simplefilter("ignore")
@@ -44,6 +67,8 @@ def main(out: str) -> None:
     result["ddp_notebook"] = train("ddp_notebook")
     result["ddpx_notebook"] = train("ddpx_notebook")
     result["ddpx_notebook again"] = train("ddpx_notebook")
+    result["fabric ddp_notebook"] = fabric_train("ddp_notebook")
+    result["fabric ddpx_notebook"] = fabric_train("ddpx_notebook")
     result["threads"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("lightning_ddpx"))
     try:
         make_trainer("ddpx", max_steps=1)

@@ -260,3 +260,26 @@ def test_options_are_read_only_and_survive_pickling_for_spawn():
     with pytest.raises(AttributeError, match="comm_hook is read-only"):
         strategy.comm_hook = "fp16"
     assert pickle.loads(pickle.dumps(strategy)).ddpx_config == strategy.ddpx_config
+
+
+def test_no_backward_sync_control_is_lightnings_kind_and_takes_torchs_module_too():
+    """Oracle: Fabric's own DDP strategy. Ours is a subclass of its sync control, refuses an unwrapped
+    module with the same phrase, and calls ``no_sync()`` of our module or of torch's, only when enabled."""
+    from unittest.mock import MagicMock
+
+    from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+    from lightning.fabric.strategies.ddp import _DDPBackwardSyncControl
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    theirs, ours = FabricDDPStrategy()._backward_sync_control, DDPXStrategy()._backward_sync_control
+    assert isinstance(ours, _DDPBackwardSyncControl)
+    phrase = "is only possible if the module passed to .* is wrapped in `DistributedDataParallel`"
+    for control in (theirs, ours):
+        with pytest.raises(TypeError, match=phrase):
+            control.no_backward_sync(nn.Linear(1, 1), True)
+    for wrapper in (TorchDDP, lightning_ddpx.DistributedDataParallel):
+        module = MagicMock(spec=wrapper)
+        with ours.no_backward_sync(module, False):
+            module.no_sync.assert_not_called()
+        with ours.no_backward_sync(module, True):
+            module.no_sync.assert_called_once()

@@ -193,7 +193,8 @@ def test_spawn_name_trains_from_the_main_process(tmp_path, monkeypatch):
 def test_notebook_names_fork_and_train_like_lightnings_in_an_interactive_session(tmp_path):
     """``ddpx_notebook`` (what Jupyter and Colab users select; ``ddpx_fork`` is the same) forks 2 real CPU
     processes from an interactive session, as Lightning's ``ddp_notebook`` does, and trains to the same
-    weights; training again in the same session works too; ``ddpx`` is refused there, as ``ddp`` is."""
+    weights, with the Trainer and with Fabric; training again in the same session works too; ``ddpx`` is
+    refused there, as ``ddp`` is."""
     import sys
 
     from tests.dist_utils import run_job
@@ -212,5 +213,9 @@ def test_notebook_names_fork_and_train_like_lightnings_in_an_interactive_session
                 f"{label} did not train {key}"
             )
             torch.testing.assert_close(ours["params"][key], value, rtol=0, atol=1e-6)
+    theirs, ours = result["fabric ddp_notebook"], result["fabric ddpx_notebook"]
+    assert ours["class"] == "DDPXStrategy"
+    for key, value in theirs["params"].items():  # Fabric: rank 0's return value, from the forked process
+        torch.testing.assert_close(torch.tensor(ours["params"][key]), torch.tensor(value), rtol=0, atol=1e-6)
     assert result["threads"] == []  # the session itself runs no lightning_ddpx thread
     assert "is not compatible with an interactive environment" in result["ddpx"]
