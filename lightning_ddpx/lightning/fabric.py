@@ -312,7 +312,8 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     def teardown(self) -> None:
         """Close every model this strategy set up (gradient hooks removed, its threads ended), then Fabric's
         teardown. Fabric itself does not call this; code that ends a run with ``strategy.teardown()`` (as
-        for the Trainer strategy) leaves no lightning_ddpx thread behind."""
+        for the Trainer strategy) leaves no lightning_ddpx thread behind. The models' weights stay usable;
+        training them further needs a new ``fabric.setup``."""
         for module in list(self._modules):
             module.close()
         self._modules = weakref.WeakSet()
