@@ -38,7 +38,14 @@ from lightning_ddpx.lightning import (
 )
 from lightning_ddpx.lightning.uneven import LockstepLoader, StepQueue, UnevenInputs, check_uneven_inputs
 
-__all__ = ["CommHookFn", "DDPXConfig", "DDPXConfigAttributes", "STRATEGY_NAMES", "register_strategy_names"]
+__all__ = [
+    "FABRIC_STRATEGY_NAMES",
+    "TRAINER_STRATEGY_NAMES",
+    "CommHookFn",
+    "DDPXConfig",
+    "DDPXConfigAttributes",
+    "register_strategy_names",
+]
 
 CommHookFn = Callable[[Any, Any], Any]  # hook(state, bucket: GradBucket) -> torch.futures.Future[Tensor]
 
@@ -457,22 +464,61 @@ def _restore_bucket_layout(module: DistributedDataParallel, entry: Any) -> None:
         )
 
 
-# The names both strategies register (Trainer's and Fabric's registries): (name, description, arguments).
-STRATEGY_NAMES: tuple[tuple[str, str, dict[str, Any]], ...] = (
-    ("ddpx", "lightning_ddpx DDP, processes launched as scripts (like 'ddp')", {}),
-    ("ddpx_spawn", "lightning_ddpx DDP, processes spawned (like 'ddp_spawn')", {"start_method": "spawn"}),
-    (
-        "ddpx_find_unused_parameters_true",
-        "lightning_ddpx DDP with find_unused_parameters=True",
-        {"find_unused_parameters": True},
-    ),
+# The names each registry gets: (name, description, arguments). Lightning's own DDP names with "ddp" spelled
+# "ddpx" -- the same names and the same ``init_params`` as Lightning's ``DDPStrategy.register_strategies``,
+# separately for the Trainer and for Fabric, whose registries differ -- plus our hook shortcuts.
+_START_METHODS: tuple[tuple[str, str], ...] = (
+    ("ddpx", "popen"),
+    ("ddpx_spawn", "spawn"),
+    ("ddpx_fork", "fork"),
+    ("ddpx_notebook", "fork"),  # what Jupyter and Colab select: forks the notebook's process
+)
+_HOOK_SHORTCUTS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("ddpx_fp16", "lightning_ddpx DDP with fp16-compressed allreduce", {"comm_hook": "fp16"}),
     ("ddpx_powersgd", "lightning_ddpx DDP with PowerSGD (default options)", {"comm_hook": "powersgd"}),
 )
 
 
-def register_strategy_names(strategy_class: type, registry: Any) -> None:
-    """Register :data:`STRATEGY_NAMES` for ``strategy_class`` in a Lightning or Fabric strategy registry."""
-    for name, description, init_params in STRATEGY_NAMES:
+def _start_method_names() -> list[tuple[str, str, dict[str, Any]]]:
+    return [
+        (
+            name,
+            f"lightning_ddpx DDP with `start_method={method!r}` (like {name[:3] + name[4:]!r})",
+            {"start_method": method},
+        )
+        for name, method in _START_METHODS
+    ]
+
+
+def _unused_parameters_name(name: str, method: str, find_unused: bool) -> tuple[str, str, dict[str, Any]]:
+    return (
+        f"{name}_find_unused_parameters_{str(find_unused).lower()}",
+        f"lightning_ddpx DDP with `find_unused_parameters={find_unused}` and `start_method={method!r}`",
+        {"find_unused_parameters": find_unused, "start_method": method},
+    )
+
+
+TRAINER_STRATEGY_NAMES: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    *_start_method_names(),
+    *(
+        _unused_parameters_name(name, method, find_unused)
+        for name, method in _START_METHODS
+        for find_unused in (False, True)
+    ),
+    *_HOOK_SHORTCUTS,
+)
+FABRIC_STRATEGY_NAMES: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    *_start_method_names(),
+    _unused_parameters_name("ddpx", "popen", True),  # Fabric registers this one alone
+    *_HOOK_SHORTCUTS,
+)
+
+
+def register_strategy_names(
+    strategy_class: type, registry: Any, names: tuple[tuple[str, str, dict[str, Any]], ...]
+) -> None:
+    """Register ``names`` (:data:`TRAINER_STRATEGY_NAMES` or :data:`FABRIC_STRATEGY_NAMES`) for
+    ``strategy_class`` in a Lightning or Fabric strategy registry."""
+    for name, description, init_params in names:
         # override=True: re-importing (or reloading) lightning_ddpx must not fail on its own names
         registry.register(name, strategy_class, description=description, override=True, **init_params)

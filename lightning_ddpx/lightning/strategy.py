@@ -47,16 +47,29 @@ from lightning_ddpx.lightning import (
 from lightning_ddpx.lightning._compat import PATH
 from lightning_ddpx.lightning.checkpoint_io import AtomicCheckpointIO
 from lightning_ddpx.lightning.compile import apply_lightning_compile
-from lightning_ddpx.lightning.config import DDPXConfigAttributes, register_strategy_names
-from lightning_ddpx.lightning.ddp_kwargs import build_ddpx_config
+from lightning_ddpx.lightning.config import (
+    TRAINER_STRATEGY_NAMES,
+    DDPXConfigAttributes,
+    register_strategy_names,
+)
+from lightning_ddpx.lightning.ddp_kwargs import build_ddpx_config, torch_ddp_kwargs
 from lightning_ddpx.lightning.options import takes_ddpx_options
 from lightning_ddpx.lightning.process_exit import destroy_process_group_at_exit
 from lightning_ddpx.lightning.replica_verification import ReplicaVerifier
 from lightning_ddpx.lightning.uneven import StepQueue
 
-__all__ = ["DDPXStrategy"]
+__all__ = ["UNUSED_PARAMETERS_HINT", "DDPXStrategy"]
 
 log = logging.getLogger(__name__)
+
+# Lightning's sentence for a parameter without gradient (its DDPStrategy.on_exception), in our names.
+UNUSED_PARAMETERS_HINT = (
+    "It looks like your LightningModule has parameters that were not used in producing the loss returned by "
+    "training_step. If this is intentional, you must enable the detection of unused parameters in DDP, either "
+    "by setting the string value `strategy='ddpx_find_unused_parameters_true'` or by setting the flag in the "
+    "strategy with `strategy=DDPXStrategy(find_unused_parameters=True)`."
+)
+_UNUSED_PARAMETERS = "received no gradient"  # in the engine's error for a parameter without gradient
 
 
 @takes_ddpx_options("Trainer")
@@ -100,6 +113,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
+        self._ddp_kwargs = torch_ddp_kwargs(kwargs)  # Lightning's attribute: torch DDP's arguments, as given
         # Lightning's redirection toggles torch-DDP attributes in manual optimisation; ours needs none of it
         # (see training_step/pre_backward), so use the plain one.
         self._forward_redirection = lightning_compat.ForwardRedirection()
@@ -416,8 +430,13 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     # -------------------------------------------------------------------------------------- teardown
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """Nothing to rewrite: lightning_ddpx's errors already name the parameter and the fix
-        (Lightning's DDPStrategy rewrites one of torch's reducer messages here)."""
+        """Keep our message (it names the parameters, the rank and the fix) and, for parameters that got no
+        gradient, add the sentence Lightning's DDPStrategy puts in place of torch's message here, which
+        users and their tools search for."""
+        exception.args = tuple(
+            f"{arg}\n{UNUSED_PARAMETERS_HINT}" if isinstance(arg, str) and _UNUSED_PARAMETERS in arg else arg
+            for arg in exception.args
+        )
 
     @override
     def teardown(self) -> None:
@@ -440,7 +459,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: lightning_compat.StrategyRegistry) -> None:
-        register_strategy_names(cls, strategy_registry)
+        register_strategy_names(cls, strategy_registry, TRAINER_STRATEGY_NAMES)
 
 
 def _remove_gradient_hooks(module: DistributedDataParallel) -> None:
