@@ -79,6 +79,34 @@ def _post_local_sgd() -> ConvergenceContender | None:
     )
 
 
+# DiLoCo for slow links: H inner steps between outer syncs, the delta sent in bf16. DDP sends every
+# gradient every step, so these send about 2H (DiLoCo) and 2H (streaming, in F pieces) times fewer bytes.
+DILOCO_PERIOD = 50
+STREAMING_DILOCO = {"period": 60, "fragments": 4, "overlap_steps": 2, "mixing": 0.5, "precision": "bf16"}
+
+
+def _diloco() -> tuple[ConvergenceContender, ...]:
+    """DiLoCo and streaming DiLoCo (the papers' outer optimizer: SGD, lr 0.7, Nesterov momentum 0.9)."""
+    from lightning_ddpx.hooks import available_hooks
+
+    if "diloco" not in available_hooks():
+        return ()
+    return (
+        ConvergenceContender(
+            "diloco",
+            {"comm_hook": "diloco", "diloco": {"period": DILOCO_PERIOD, "precision": "bf16"}},
+            lossy=True,
+            note=f"local steps, outer Nesterov step every {DILOCO_PERIOD}, bf16 delta",
+        ),
+        ConvergenceContender(
+            "streaming-diloco",
+            {"comm_hook": "diloco", "diloco": dict(STREAMING_DILOCO)},
+            lossy=True,
+            note="4 fragments staggered over 60 steps, overlapped 2 steps, bf16",
+        ),
+    )
+
+
 CONVERGENCE_CONTENDERS: tuple[ConvergenceContender, ...] = (
     ConvergenceContender("torch-ddp", None, note="torch's DistributedDataParallel: the reference"),
     ConvergenceContender("allreduce", {}, note="our exact average"),
@@ -103,9 +131,9 @@ CONVERGENCE_CONTENDERS: tuple[ConvergenceContender, ...] = (
 
 
 def all_contenders() -> tuple[ConvergenceContender, ...]:
-    """The table above plus the contenders whose hooks exist only in some versions (post-local SGD)."""
+    """The table above plus the contenders whose hooks exist only in some versions (post-local SGD, DiLoCo)."""
     extra = _post_local_sgd()
-    return CONVERGENCE_CONTENDERS + ((extra,) if extra is not None else ())
+    return CONVERGENCE_CONTENDERS + ((extra,) if extra is not None else ()) + _diloco()
 
 
 def convergence_contenders_named(names: list[str] | None) -> tuple[ConvergenceContender, ...]:
@@ -142,11 +170,27 @@ class ConvergenceRow:
     strategy: str
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    final_val_loss: float | None = None  # mean of the last two validations' val_loss, where logged
+    bytes_vs_torch: float | None = None  # torch-ddp's total bytes / this contender's (x fewer)
 
 
 def _final(curve: list[dict[str, Any]]) -> float | None:
     values = [v["metric"] for v in curve[-2:] if v["metric"] is not None and math.isfinite(v["metric"])]
     return sum(values) / len(values) if values else None
+
+
+def _final_loss(curve: list[dict[str, Any]]) -> float | None:
+    values = [
+        v["val_loss"] for v in curve[-2:] if v.get("val_loss") is not None and math.isfinite(v["val_loss"])
+    ]
+    return sum(values) / len(values) if values else None
+
+
+def _total_bytes(run: dict[str, Any]) -> float | None:
+    sent = run["bytes_sent"]
+    if not sent or any(b is None or not math.isfinite(b) for b in sent):
+        return None
+    return float(sum(sent))
 
 
 def _reached(curve: list[dict[str, Any]], target: float, mode: str) -> float | None:
@@ -203,12 +247,17 @@ def summarize_runs(
                 lossy=c.lossy,
                 strategy=c.strategy_arguments(),
                 note=c.note,
+                final_val_loss=_final_loss(run["val"]),
+                extra={"total_bytes": _total_bytes(run)},
             )
         )
     torch_time = next((r.time_to_target_s for r in rows if r.name == "torch-ddp"), None)
+    torch_bytes = next((r.extra["total_bytes"] for r in rows if r.name == "torch-ddp"), None)
     for row in rows:
         if torch_time and row.time_to_target_s is not None:
             row.vs_torch = row.time_to_target_s / torch_time
+        if torch_bytes and row.extra["total_bytes"]:
+            row.bytes_vs_torch = torch_bytes / row.extra["total_bytes"]
     return rows
 
 

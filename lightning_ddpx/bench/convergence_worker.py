@@ -83,9 +83,11 @@ class CurveRecorder(Callback):
             self.bytes_sent.append(float(self.gradient_bytes))
         else:
             last = stats()
-            self.bytes_sent.append(
-                None if last is None or last.bytes_sent is None else float(last.bytes_sent)
+            sent = None if last is None or last.bytes_sent is None else float(last.bytes_sent)
+            extra = _parameter_exchange_bytes(
+                getattr(trainer.strategy, "comm_hook_state", None), self.gradient_bytes
             )
+            self.bytes_sent.append(None if sent is None else sent + extra)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._val_started = time.perf_counter()
@@ -106,6 +108,21 @@ class CurveRecorder(Callback):
         if self.verbose:
             shown = "missing" if value is None else f"{float(value):.4f}"
             print(f"    step {point['step']:5d}  {point['time_s']:7.1f} s  {self.metric} {shown}", flush=True)
+
+
+def _parameter_exchange_bytes(state: Any, parameter_bytes: int) -> float:
+    """Bytes sent after this step's optimizer step, outside the gradient hook: DiLoCo's outer exchanges
+    (the state counts them) and post-local SGD's model average (the whole model, when the averager ran)."""
+    take_syncs = getattr(state, "take_syncs", None)
+    if callable(take_syncs):
+        return float(sum(sync.bytes_sent for sync in take_syncs()))
+    averager = getattr(state, "averager", None)
+    period = getattr(averager, "period", None)
+    if averager is not None and period is not None:
+        step = averager.step - 1  # the step the averager just counted
+        if step >= averager.warmup_steps and (step - averager.warmup_steps) % period == 0:
+            return float(parameter_bytes)
+    return 0.0
 
 
 def run(rank: int, config: dict[str, Any]) -> dict[str, Any]:
