@@ -153,3 +153,28 @@ def test_bench_has_both_diloco_contenders_and_counts_their_exchanges() -> None:
     averager.step = 15  # counted step 14 = 10 + 4: averaged the whole model
     assert _parameter_exchange_bytes(SimpleNamespace(averager=averager), 999) == 999.0
     assert _parameter_exchange_bytes(None, 999) == 0.0
+
+
+def test_bench_table_reports_bytes_saved_and_recommends_against_torch_ddp_alone() -> None:
+    """On the slow link only torch's DDP may be run as the lossless reference: the recommendation still
+    considers DiLoCo, and the table says how many times fewer bytes each contender sent."""
+    from lightning_ddpx.bench.convergence import (
+        convergence_contenders_named,
+        default_target,
+        recommend_from_convergence,
+        summarize_runs,
+    )
+    from tests.test_bench_convergence import curve
+
+    runs = {
+        "torch-ddp": curve(2.0, [0.5, 0.8, 0.90, 0.94, 0.96], sent=1000.0),
+        "diloco": curve(0.1, [0.5, 0.8, 0.90, 0.95, 0.955], sent=5.0),  # within 0.01, 200x fewer bytes
+        "streaming-diloco": curve(0.1, [0.5, 0.7, 0.80, 0.85, 0.90], sent=5.0),  # outside tolerance
+    }
+    rows = summarize_runs(convergence_contenders_named(list(runs)), runs, default_target(runs, "max", 0.01))
+    by_name = {r.name: r for r in rows}
+    assert by_name["diloco"].bytes_vs_torch == pytest.approx(200.0)
+    assert by_name["diloco"].vs_torch == pytest.approx(4.0 / 80.0)
+    advice = recommend_from_convergence(rows, "val_acc", 0.01)
+    assert advice.startswith("Recommended: diloco -> DDPXStrategy(comm_hook='diloco'"), advice
+    assert "0.05x torch-ddp's time" in advice and "streaming-diloco (val_acc 0.8750 vs 0.9500)" in advice
