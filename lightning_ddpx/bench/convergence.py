@@ -341,6 +341,7 @@ def run_convergence(
             "model": model,
             "datamodule": datamodule,
             "contender": contender.name,
+            "strategy": contender.strategy,  # so contenders built in Python (not in the table) run too
             "world_size": world_size,
             "max_steps": max_steps,
             "val_every": val_every,

@@ -126,17 +126,21 @@ def _parameter_exchange_bytes(state: Any, parameter_bytes: int) -> float:
 
 
 def run(rank: int, config: dict[str, Any]) -> dict[str, Any]:
-    (contender,) = convergence_contenders_named([config["contender"]])
+    if "strategy" in config:
+        options = config["strategy"]
+    else:
+        (contender,) = convergence_contenders_named([config["contender"]])
+        options = contender.strategy
     seed_everything(config["seed"], verbose=False)
     module, datamodule = load_task(config["model"], config.get("datamodule"))
     gradient_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     recorder = CurveRecorder(config["metric"], gradient_bytes, verbose=rank == 0)
-    if contender.torch_ddp:
+    if options is None:  # torch's DDP
         strategy: Any = "ddp"
     else:
         from lightning_ddpx import DDPXStrategy
 
-        strategy = DDPXStrategy(**contender.strategy)
+        strategy = DDPXStrategy(**options)
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
@@ -165,7 +169,7 @@ def run(rank: int, config: dict[str, Any]) -> dict[str, Any]:
         )
     return {
         "rank": rank,
-        "contender": contender.name,
+        "contender": config["contender"],
         "time_s": recorder.time_s,
         "train_loss": recorder.train_loss,
         "bytes_sent": recorder.bytes_sent,
