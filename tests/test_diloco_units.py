@@ -142,6 +142,7 @@ def test_bench_has_both_diloco_contenders_and_counts_their_exchanges() -> None:
     from lightning_ddpx.hooks.diloco import OuterSync
 
     diloco, streaming = convergence_contenders_named(["diloco", "streaming-diloco"])
+    assert diloco.steps_factor == streaming.steps_factor == 3
     assert diloco.lossy and diloco.strategy["comm_hook"] == "diloco"
     DDPXConfig(**streaming.strategy)  # valid options
     state = DiLoCoState()
@@ -168,13 +169,18 @@ def test_bench_table_reports_bytes_saved_and_recommends_against_torch_ddp_alone(
 
     runs = {
         "torch-ddp": curve(2.0, [0.5, 0.8, 0.90, 0.94, 0.96], sent=1000.0),
-        "diloco": curve(0.1, [0.5, 0.8, 0.90, 0.95, 0.955], sent=5.0),  # within 0.01, 200x fewer bytes
+        # twice the steps (steps_factor): judged at torch's 50 steps (0.95, 0.955), timed to 0.94 at step 40
+        "diloco": curve(0.1, [0.5, 0.8, 0.90, 0.95, 0.955, 0.2, 0.2, 0.2, 0.2, 0.2], sent=5.0),
         "streaming-diloco": curve(0.1, [0.5, 0.7, 0.80, 0.85, 0.90], sent=5.0),  # outside tolerance
     }
     rows = summarize_runs(convergence_contenders_named(list(runs)), runs, default_target(runs, "max", 0.01))
     by_name = {r.name: r for r in rows}
     assert by_name["diloco"].bytes_vs_torch == pytest.approx(200.0)
     assert by_name["diloco"].vs_torch == pytest.approx(4.0 / 80.0)
+    assert by_name["diloco"].final_metric == pytest.approx(0.9525) and by_name["diloco"].steps == 100
+    assert by_name["diloco"].extra["final_at_end"] == pytest.approx(0.2)
+    assert by_name["diloco"].bytes_to_target == pytest.approx(40 * 5.0)  # reached at step 40
+    assert by_name["torch-ddp"].bytes_to_target == pytest.approx(40 * 1000.0)
     advice = recommend_from_convergence(rows, "val_acc", 0.01)
     assert advice.startswith("Recommended: diloco -> DDPXStrategy(comm_hook='diloco'"), advice
     assert "0.05x torch-ddp's time" in advice and "streaming-diloco (val_acc 0.8750 vs 0.9500)" in advice

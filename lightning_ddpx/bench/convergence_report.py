@@ -39,6 +39,7 @@ def render_convergence_table(rows: list[ConvergenceRow], metric: str, target: fl
             opt(None if r.bytes_per_step is None else r.bytes_per_step / 1e6, ".3f"),
             opt(None if r.bytes_per_step_median is None else r.bytes_per_step_median / 1e6, ".3f"),
             opt(r.bytes_vs_torch, ".1f"),
+            opt(None if r.bytes_to_target is None else r.bytes_to_target / 1e6, ".0f"),
             opt(r.final_val_loss, ".4f"),
         ]
         for r in rows
@@ -53,7 +54,8 @@ def render_convergence_table(rows: list[ConvergenceRow], metric: str, target: fl
         "step ms",
         "MB/step mean",
         "median",
-        "x fewer bytes",
+        "x fewer B/step",
+        "MB to target",
         "final val_loss",
     ]
     return format_table(header, body)
