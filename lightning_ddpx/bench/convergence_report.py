@@ -21,6 +21,8 @@ _COLOURS = {  # fixed per contender, so the panels and the figures of both tasks
     "powersgd-r4-noef": "#543b7a",
     "batched-r2": "#2ca02c",
     "post-local-sgd": "#ff7f0e",
+    "diloco": "#17becf",
+    "streaming-diloco": "#e377c2",
 }
 
 
