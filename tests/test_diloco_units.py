@@ -184,3 +184,18 @@ def test_bench_table_reports_bytes_saved_and_recommends_against_torch_ddp_alone(
     advice = recommend_from_convergence(rows, "val_acc", 0.01)
     assert advice.startswith("Recommended: diloco -> DDPXStrategy(comm_hook='diloco'"), advice
     assert "0.05x torch-ddp's time" in advice and "streaming-diloco (val_acc 0.8750 vs 0.9500)" in advice
+
+
+def test_outer_sync_metrics_give_each_exchange_and_the_running_total() -> None:
+    from lightning_ddpx.hooks.diloco import OuterSync
+    from lightning_ddpx.lightning.diloco_setup import outer_sync_metrics
+
+    state = DiLoCoState()
+    state.bytes_sent = 300
+    state._new_syncs = [OuterSync(4, 0, 100), OuterSync(8, 1, 50)]
+    fabric_model = SimpleNamespace(_forward_module=SimpleNamespace(comm_hook_state=state))
+    assert outer_sync_metrics(fabric_model) == [
+        {"ddpx/outer_sync_bytes": 100.0, "ddpx/outer_sync_fragment": 0.0, "ddpx/outer_bytes_total": 250.0},
+        {"ddpx/outer_sync_bytes": 50.0, "ddpx/outer_sync_fragment": 1.0, "ddpx/outer_bytes_total": 300.0},
+    ]
+    assert outer_sync_metrics(state) == [] and outer_sync_metrics(nn.Linear(2, 2)) == []

@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 
 from lightning_ddpx.hooks.diloco import DiLoCoOptions, DiLoCoState
 
-__all__ = ["HOOK_NAME", "attach", "finish", "log_outer_syncs", "resolve_options"]
+__all__ = ["HOOK_NAME", "attach", "finish", "log_outer_syncs", "outer_sync_metrics", "resolve_options"]
 
 HOOK_NAME = "diloco"
 
@@ -55,17 +55,35 @@ def attach(state: Any, module: Any) -> None:
         state.attach(module.module.parameters())
 
 
-def log_outer_syncs(state: Any, trainer: Any) -> None:
-    """Log each outer exchange since the last call to the Trainer's loggers: its payload bytes
-    (``ddpx/outer_sync_bytes``), the fragment, and the run's total (``ddpx/outer_bytes_total``)."""
+def outer_sync_metrics(source: Any) -> list[dict[str, float]]:
+    """One metrics dict per outer exchange sent since the last call: its payload bytes
+    (``ddpx/outer_sync_bytes``), the fragment, and the run's total so far (``ddpx/outer_bytes_total``).
+
+    ``source`` is a DiLoCo state, our module, or the model ``fabric.setup`` returned (Fabric's loop logs
+    them: ``for m in outer_sync_metrics(model): fabric.log_dict(m)``). Anything else: no metrics.
+    """
+    module = getattr(source, "_forward_module", source)  # fabric.setup wraps our module
+    state = getattr(module, "comm_hook_state", module)
     if not isinstance(state, DiLoCoState):
-        return
-    for sync in state.take_syncs():
-        metrics = {
-            "ddpx/outer_sync_bytes": float(sync.bytes_sent),
-            "ddpx/outer_sync_fragment": float(sync.fragment),
-            "ddpx/outer_bytes_total": float(state.bytes_sent),
-        }
+        return []
+    total = state.bytes_sent
+    syncs = state.take_syncs()
+    metrics, before = [], total - sum(sync.bytes_sent for sync in syncs)
+    for sync in syncs:
+        before += sync.bytes_sent
+        metrics.append(
+            {
+                "ddpx/outer_sync_bytes": float(sync.bytes_sent),
+                "ddpx/outer_sync_fragment": float(sync.fragment),
+                "ddpx/outer_bytes_total": float(before),
+            }
+        )
+    return metrics
+
+
+def log_outer_syncs(state: Any, trainer: Any) -> None:
+    """Log :func:`outer_sync_metrics` to the Trainer's loggers (rank-zero-only loggers write rank 0's)."""
+    for metrics in outer_sync_metrics(state):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 
