@@ -51,6 +51,7 @@ __all__ = [
 
 PRECISIONS: dict[str, Optional[torch.dtype]] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 STATE_FORMAT = 1
+_KEPT_SYNCS = 1024  # untaken exchange records kept (bytes_sent keeps the total regardless)
 
 
 def _integer(name: str, value: Any, minimum: int) -> int:
@@ -260,6 +261,7 @@ class DiLoCoState:
         nbytes = payload.numel() * payload.element_size()
         self.bytes_sent += nbytes
         self._new_syncs.append(OuterSync(step, fragment, nbytes))
+        del self._new_syncs[:-_KEPT_SYNCS]  # nobody taking them (statistics off): keep the latest only
         self._in_flight[fragment] = _InFlight(step + overlap, payload, work if overlap > 0 else None)
 
     def _wait(self, in_flight: _InFlight, fragment: int) -> None:
