@@ -144,6 +144,35 @@ def hook_twice() -> None:
     model.register_comm_hook(None, allreduce_hook)
 
 
+def hook_returning_int(state: object, bucket: object) -> int:
+    return 0
+
+
+def static_graph_after_training() -> None:
+    model = DDP(net())
+    loss_of(model).backward()
+    model._set_static_graph()
+
+
+def pickle_on_a_subgroup() -> None:
+    import copy
+
+    copy.deepcopy(DDP(net(), process_group=dist.new_group([0])))
+
+
+def unpickle_without_a_group() -> None:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(DDP(net()), buffer)
+    dist.destroy_process_group()  # the case runs inside a one-rank group: leave none for the load
+    try:
+        buffer.seek(0)
+        torch.load(buffer, weights_only=False)
+    finally:
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+
+
 @contextlib.contextmanager
 def simulated_nccl(version: tuple[int, ...]) -> Iterator[None]:
     """Make the default group look like NCCL ``version`` on a GPU with bfloat16 (nothing else changes)."""
@@ -335,7 +364,26 @@ CASES: list[Case] = [
     Case("hook_wrong_signature", lambda: DDP(net()).register_comm_hook(None, lambda bucket: bucket), TypeError,
          ("<lambda>", "hook(state, bucket)", "torch.futures.Future"), "one_rank"),
     Case("hook_registered_twice", hook_twice, RuntimeError,
-         ("allreduce_hook", "already registered", "only once", "new DistributedDataParallel"), "one_rank"),
+         ("allreduce_hook", "already registered", "can only be called once", "new DistributedDataParallel"),
+         "one_rank"),
+    Case("no_parameters_runtime_error", lambda: DDP(nn.Module()), RuntimeError,
+         ("no parameters", "doesn't have any parameter that requires a gradient"), "one_rank"),
+    Case("device_ids_for_cpu_module", lambda: DDP(net(), device_ids=[0]), ValueError,
+         ("device_ids=[0]", "on cpu", "Leave both unset", "only work with"), "one_rank"),
+    Case("device_ids_several", lambda: DDP(net(), device_ids=[0, 1]), ValueError,
+         ("device_ids=[0, 1]", "one process per GPU", "device_ids=[local_rank]"), "one_rank"),
+    Case("check_reduction_deprecated", lambda: DDP(net(), check_reduction=True), FutureWarning,
+         ("check_reduction is ignored", "remove it"), "one_rank"),
+    Case("hook_not_callable", lambda: DDP(net()).register_comm_hook(None, 1), TypeError,
+         ("must be callable", "int"), "one_rank"),
+    Case("hook_return_annotation", lambda: DDP(net()).register_comm_hook(None, hook_returning_int), ValueError,
+         ("hook_returning_int", "annotated to return int", "get_future()"), "one_rank"),
+    Case("static_graph_after_training", static_graph_after_training, RuntimeError,
+         ("_set_static_graph()", "1 synchronised iteration", "static_graph=True"), "one_rank"),
+    Case("pickle_on_a_subgroup", pickle_on_a_subgroup, RuntimeError,
+         ("other than the default one", "model.module"), "one_rank"),
+    Case("unpickle_without_a_group", unpickle_without_a_group, RuntimeError,
+         ("needs the default process group", "init_process_group", "model.module"), "one_rank"),
     Case("hook_after_training_started", hook_after_training_started, RuntimeError,
          ("before the first backward", "1 synchronised iteration"), "one_rank"),
     Case("bf16_hook_on_nccl_before_2_10", bf16_hook_on_old_nccl, TypeError,

@@ -19,19 +19,24 @@ __all__ = [
     "allow_non_fake_inputs",
     "ddp_optimizer_context",
     "default_store",
+    "default_group",
+    "device_index",
     "dynamic_of",
     "fake_mode_of_current_trace",
     "foreach_add_",
     "foreach_copy_",
     "foreach_sub_",
+    "global_optimizer_hooks_once",
     "group_timeout",
     "innermost_backend",
+    "inputs_to_device",
     "is_fake",
     "lookup_backend",
     "process_group_store",
     "profiler_enabled",
     "queue_backward_callback",
     "rank_not_in_group",
+    "sparse_nnz_bytes",
     "tracing_context",
 ]
 
@@ -52,6 +57,38 @@ foreach_copy_: Callable[..., Any] = torch._foreach_copy_
 foreach_add_: Callable[..., Any] = torch._foreach_add_
 foreach_sub_: Callable[..., Any] = torch._foreach_sub_
 
+
+def sparse_nnz_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of a sparse COO tensor's indices and values, also when it is not coalesced (the public
+    ``indices()``/``values()`` refuse that; reducing an embedding's gradient does not coalesce it first).
+    ``_indices``/``_values``: torch >= 0.4."""
+    indices, values = tensor._indices(), tensor._values()
+    return indices.numel() * indices.element_size() + values.numel() * values.element_size()
+
+
+@contextlib.contextmanager
+def global_optimizer_hooks_once(optimizer: Any) -> Iterator[None]:
+    """Run torch's global optimizer step hooks (``torch.optim.optimizer.register_optimizer_step_pre_hook`` /
+    ``_post_hook``: profilers, trackers) once for ``optimizer`` around the block -- pre hooks before it, post
+    hooks after it if it succeeds -- and silence them for the ``step()`` calls inside (the overlap steps an
+    optimizer in many pieces, each of which would fire them). The registries are private dicts. torch >= 2.0."""
+    from torch.optim import optimizer as optim_module
+
+    pre, post = optim_module._global_optimizer_pre_hooks, optim_module._global_optimizer_post_hooks
+    for hook in list(pre.values()):
+        hook(optimizer, (), {})
+    saved_pre, saved_post = dict(pre), dict(post)
+    pre.clear()
+    post.clear()
+    try:
+        yield
+    finally:
+        pre.update(saved_pre)  # hooks registered inside the block are kept too
+        post.update(saved_post)
+    for hook in list(post.values()):
+        hook(optimizer, (), {})
+
+
 # ------------------------------------------------------------------------------------------------- c10d
 # torch's Join context manager reads ``module._join_config``; a Joinable built outside torch's DDP must set
 # the disabled config itself, as torch's DDP does. torch >= 1.10.
@@ -71,10 +108,38 @@ def default_store() -> Any:
     return dist.distributed_c10d._get_default_store()
 
 
+def default_group() -> Any:
+    """The default process group itself (``dist.group.WORLD`` is a placeholder object on some versions):
+    what pickling compares a module's group with, as torch's DDP does. Raises before init. torch >= 1.8."""
+    return dist.distributed_c10d._get_default_group()
+
+
 def group_timeout(group: Any) -> Any:
     """The timeout a process group was created with (error messages say how long a peer was waited for):
     no public getter exists. torch >= 2.0 (``_get_backend``)."""
     return group._get_backend(torch.device("cpu")).options._timeout
+
+
+# ----------------------------------------------------------------------------------------- devices
+def device_index(device: Any) -> int:
+    """An entry of ``device_ids`` (int, ``torch.device`` or string) as a device index, exactly as torch's DDP
+    reads it (a device without an index means the current one). torch >= 1.0."""
+    from torch._utils import _get_device_index
+
+    return _get_device_index(device, True)
+
+
+def inputs_to_device(
+    args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device, side_stream: bool
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """forward's inputs moved to ``device`` as torch's DDP moves them with ``device_ids`` (tensors inside
+    lists, dicts, namedtuples, dataclasses and PackedSequences; copies on a side stream). torch >= 2.0."""
+    from torch.distributed.utils import _to_kwargs
+
+    if not args and not kwargs:
+        return args, kwargs  # torch indexes an empty result here; nothing to move
+    moved_args, moved_kwargs = _to_kwargs(args, kwargs, device, side_stream)
+    return moved_args[0], moved_kwargs[0]
 
 
 # --------------------------------------------------------------------------------------- dynamo (compile)

@@ -9,19 +9,32 @@ On the CPU (gloo) there are no streams and every function here is a no-op. On CU
   that stream (``wait_stream``: an event on the GPU, not on the host);
 - the hook is called with the launch stream current, also when it runs on the communication thread, so
   the collectives it issues (NCCL orders its own stream after the current one) see the filled bucket;
-- at the end of backward each bucket's result is waited for on the current stream (torch's CUDA futures
-  do this in ``wait()``; for any other future the current stream waits for the launch stream), and the
-  averaged gradients are written on the current stream, which the autograd engine has already ordered
-  after every gradient-producing stream.
+- a result travels only in a future that carries the CUDA events of the work producing it, as torch's
+  CUDA futures do: an inline hook's own future (NCCL's, or one chained from it), or, for a hook run on the
+  communication thread, the launcher's :func:`result_future`, completed on that thread's private stream
+  (:func:`comm_thread_stream`) once that stream waited for the hook's future -- never the default stream,
+  which training may be computing on;
+- at the end of backward each bucket's result is waited for on the current stream (``Future.wait()`` makes
+  the current stream wait for those events, without blocking the host; for a future without events the
+  current stream also waits for the launch stream), and the averaged gradients are written on the current
+  stream, which the autograd engine has already ordered after every gradient-producing stream.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional, TypeVar
+import contextlib
+from typing import Callable, ContextManager, Iterable, Optional, TypeVar
 
 import torch
 
-__all__ = ["current_stream", "on_stream", "wait_streams"]
+__all__ = [
+    "comm_thread_stream",
+    "current_stream",
+    "on_stream",
+    "result_future",
+    "stream_scope",
+    "wait_streams",
+]
 
 T = TypeVar("T")
 
@@ -51,3 +64,32 @@ def wait_streams(
         return
     for stream in set(s for s in streams if s is not None and s != waiter):
         waiter.wait_stream(stream)
+
+
+def stream_scope(stream: Optional["torch.cuda.Stream"]) -> ContextManager[None]:
+    """A context in which ``stream`` is current on its device (nothing for ``None``)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def result_future(device: torch.device) -> torch.futures.Future:
+    """A future for a result on ``device``. On CUDA it is torch's CUDA-aware future: ``set_result`` records an
+    event on the setting thread's current stream, and ``wait()`` makes the waiting thread's current stream
+    wait for that event (no host synchronisation). Elsewhere a plain future."""
+    if device.type == "cuda":
+        return torch.futures.Future(devices=[device])
+    return torch.futures.Future()
+
+
+def comm_thread_stream(device: torch.device) -> Optional["torch.cuda.Stream"]:
+    """Called once on a communication thread serving ``device``: make ``device`` the thread's current
+    device (a new thread starts on device 0), and return a stream private to the thread, on which it waits
+    for hooks' results (``None`` off CUDA).
+
+    Why a private stream: ``Future.wait()`` makes the *current* stream wait for the hook's collectives. On a
+    new thread that is the device's default stream, which the training may be computing on: its next
+    kernels would queue behind this bucket's communication (no overlap), and a consumer on any other stream
+    would not be ordered after the result at all."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.set_device(device)
+    return torch.cuda.Stream(device)

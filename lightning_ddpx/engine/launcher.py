@@ -5,6 +5,10 @@ Two ways, chosen per hook (see :mod:`lightning_ddpx.engine.grad_bucket` for the 
   their collectives before returning, so buckets may be in flight together, as in torch's reducer;
 - sequenced: hooks run on one communication thread, each awaited before the next starts, so hooks that
   chain collectives from callbacks, or block, still issue them in the same order on every rank.
+
+On CUDA the sequenced launcher hands each result over in a future that carries a CUDA event recorded after
+the result was produced (:mod:`lightning_ddpx.engine.cuda_streams`), so whoever waits for it on whatever
+stream is ordered after the hook's collectives; an inline hook's own future already does this.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 
+from lightning_ddpx.engine.cuda_streams import comm_thread_stream, result_future, stream_scope
 from lightning_ddpx.engine.exit_threads import stop_at_exit
 
 __all__ = ["InlineLauncher", "SequencedLauncher", "Task"]
@@ -24,6 +29,9 @@ Task = Callable[[], torch.futures.Future]
 
 # Seconds to wait for a communication thread to finish the tasks it holds when it is closed at exit.
 EXIT_JOIN_TIMEOUT_S = 10.0
+# Seconds ``close()`` waits by default: after a clean iteration nothing is pending and the thread ends at once;
+# a task stuck on a peer that is gone is not waited for longer.
+CLOSE_WAIT_S = 2.0
 
 
 class InlineLauncher:
@@ -40,28 +48,34 @@ class SequencedLauncher:
     """Run tasks one at a time, in submission order, on a private daemon thread.
 
     ``submit`` returns at once with a future that completes when the task's own future does; the next
-    task starts only then. An exception in a task fails that task's future and nothing else.
+    task starts only then. An exception in a task fails that task's future and nothing else. ``device``:
+    where the tasks' results live; on CUDA the returned futures carry CUDA events (see the module's
+    docstring), so ``wait()`` orders the waiter's current stream after the result.
     """
 
-    def __init__(self, name: str = "lightning_ddpx-comm") -> None:
+    def __init__(self, name: str = "lightning_ddpx-comm", device: torch.device | None = None) -> None:
         self._queue: queue.SimpleQueue[tuple[Task, torch.futures.Future] | None] = queue.SimpleQueue()
         self._name = name
+        self._device = device if device is not None else torch.device("cpu")
         self._thread: threading.Thread | None = None
         self._finalizer = weakref.finalize(self, self._queue.put, None)
 
     def submit(self, task: Task) -> torch.futures.Future:
         if self._thread is None:
-            self._thread = threading.Thread(target=_serve, args=(self._queue,), name=self._name, daemon=True)
+            self._thread = threading.Thread(
+                target=_serve, args=(self._queue, self._device), name=self._name, daemon=True
+            )
             self._thread.start()
             stop_at_exit(self, self._name, EXIT_JOIN_TIMEOUT_S)
-        done: torch.futures.Future = torch.futures.Future()
+        done = result_future(self._device)
         self._queue.put((task, done))
         return done
 
-    def close(self, timeout: float | None = None) -> bool:
-        """Stop the thread after the tasks already submitted; with ``timeout``, wait that long for it.
+    def close(self, timeout: float | None = CLOSE_WAIT_S) -> bool:
+        """Stop the thread after the tasks already submitted; wait at most ``timeout`` s for it (``None``:
+        do not wait), so a module closed at the end of training leaves no thread behind.
 
-        Returns whether the thread has ended (always ``True`` without ``timeout``, which does not wait).
+        Returns whether the thread has ended (always ``True`` with ``None``).
         """
         self._finalizer()
         thread = self._thread
@@ -71,15 +85,20 @@ class SequencedLauncher:
         return not thread.is_alive()
 
 
-def _serve(tasks: "queue.SimpleQueue[tuple[Task, torch.futures.Future] | None]") -> None:
+def _serve(
+    tasks: "queue.SimpleQueue[tuple[Task, torch.futures.Future] | None]", device: torch.device
+) -> None:
+    # CUDA: wait for each task's future on this thread's own stream, then complete ``done`` there, which
+    # records an event after the result; the consumer's ``done.wait()`` waits for that event on its stream.
+    stream = comm_thread_stream(device)  # None off CUDA
     while True:
         item = tasks.get()
         if item is None:
             return
         task, done = item
         try:
-            value: Any = task().wait()
+            with stream_scope(stream):
+                value: Any = task().wait()
+                done.set_result(value)
         except BaseException as error:  # noqa: BLE001 - the waiting side re-raises it
             done.set_exception(error)
-        else:
-            done.set_result(value)

@@ -8,14 +8,17 @@ training: bad input fails on every rank at once, before work is lost.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
-from typing import Any, Callable, Iterator
+import warnings
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from lightning_ddpx._compat.torch import default_group, inputs_to_device
 from lightning_ddpx.engine.backend_support import check_bf16_hook
 from lightning_ddpx.engine.bucketing import BucketInfo, megabytes_to_bytes
 from lightning_ddpx.engine.comm_stats import CommStatsSummary, StepCommStats
@@ -26,53 +29,106 @@ from lightning_ddpx.engine.consistency import (
 )
 from lightning_ddpx.engine.errors import waiting_for
 from lightning_ddpx.engine.exit_threads import register_exit_handler
+from lightning_ddpx.engine.hook_signature import check_comm_hook
 from lightning_ddpx.engine.join import DDPXJoinHook, announce, broadcast_from
 from lightning_ddpx.engine.optimizer_overlap import OptimizerOverlap
+from lightning_ddpx.engine.placement import DeviceLike, resolve_placement, side_stream_copies
 from lightning_ddpx.engine.profiling import label
 from lightning_ddpx.engine.reducer import CommHook, Phase, Reducer
+from lightning_ddpx.engine.replica_check import ReplicaReport, named_state, verify_replicas
+from lightning_ddpx.engine.sparse import expects_sparse_gradients
+from lightning_ddpx.engine.trainable_set import TrainableSet
 
-__all__ = ["DistributedDataParallel"]
+__all__ = ["DistributedDataParallel", "NothingToSynchronise"]
+
+# torch's phrase for a module without trainable parameters, kept verbatim in ours (tests written for torch's
+# DDP match it).
+_TORCH_NO_GRAD_PHRASE = (
+    "DistributedDataParallel is not needed when a module doesn't have any parameter that requires a gradient."
+)
+
+
+class NothingToSynchronise(RuntimeError, ValueError):
+    """The module has no parameter with ``requires_grad=True``: torch raises RuntimeError, earlier releases of
+    lightning_ddpx ValueError; this is both."""
 
 
 class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism over ``torch.distributed`` with our own bucketed, hook-driven gradient reducer.
 
+    The arguments are torch's, in torch's order (see docs/engine.md for each one's meaning here).
+
     Args:
         module: the model; the same architecture must be built on every rank.
+        device_ids: torch's meaning: ``None`` for a CPU module; ``[i]`` for a module on GPU ``i``, and forward
+            then moves its inputs to that GPU. At most one device; it must be the module's.
+        output_device: torch's meaning (defaults to ``device_ids[0]``); outputs stay where the module produced
+            them, as in torch's single-device DDP. Must be unset for a CPU module.
+        dim: torch's meaning: the dimension torch would split inputs along across the devices of one process,
+            which neither torch nor lightning_ddpx does any more; kept as ``self.dim``, unused.
+        broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to all ranks before forward.
+        init_sync: check that every rank holds the same parameter shapes and broadcast rank 0's parameters
+            and buffers at construction. ``False`` (torch's meaning): skip both; the ranks must already
+            hold the same weights.
         process_group: the group to average over (default: the whole world).
         bucket_cap_mb: cap of each gradient bucket in MiB; smaller buckets start communicating earlier,
-            larger ones make fewer, more efficient collectives.
-        first_bucket_cap_mb: cap of the first bucket launched, kept small so communication starts early.
+            larger ones make fewer, more efficient collectives. ``None``: torch's default, 25.
         find_unused_parameters: walk the autograd graph from forward's outputs each iteration and treat
             parameters it cannot reach as having a zero gradient (needed when forward skips parameters).
-        broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to all ranks before forward.
+        check_reduction: deprecated by torch and ignored (the reduction always completes); ``True`` warns.
         gradient_as_bucket_view: make ``param.grad`` views into the bucket buffers, saving one copy of the
             gradients in memory and a copy per parameter in each step.
         static_graph: torch's meaning: the set of parameters used (and how often each gets a gradient) is the
             same every iteration. The first synchronised iteration records it; later ones mark unused
             parameters without walking the autograd graph, and support activation checkpointing (reentrant
             or not) and parameters whose gradient arrives more than once per backward.
-        init_sync: check that every rank holds the same parameter shapes and broadcast rank 0's parameters
-            and buffers at construction. ``False`` (torch's meaning): skip both; the ranks must already
-            hold the same weights.
+        first_bucket_cap_mb: cap of the first bucket launched, kept small so communication starts early
+            (torch fixes it at 1 MiB).
+        forward_sync_buffers: torch 2.13's name for ``broadcast_buffers`` (``None``: take
+            ``broadcast_buffers``); given, it wins, as in torch.
+        skip_all_reduce_unused_params, batched_grad_copy: torch's optimisations that leave every gradient
+            unchanged; accepted and kept as attributes. Our reducer copies each bucket in one batched call
+            anyway, and parameters unused on every rank keep their gradient untouched either way.
+
+    A wrapped model can be pickled (``torch.save(model)``) and deep-copied, as torch's can, when it averages
+    over the default group: the copy leaves the process group and the reducer behind and makes new ones
+    (see :meth:`__setstate__`).
     """
 
     def __init__(
         self,
         module: nn.Module,
-        process_group: dist.ProcessGroup | None = None,
-        bucket_cap_mb: float = 25.0,
-        first_bucket_cap_mb: float = 1.0,
-        find_unused_parameters: bool = False,
+        device_ids: Sequence[DeviceLike] | None = None,
+        output_device: DeviceLike | None = None,
+        dim: int = 0,
         broadcast_buffers: bool = True,
+        init_sync: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float | None = 25.0,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
-        init_sync: bool = True,
+        *,
+        first_bucket_cap_mb: float = 1.0,
+        forward_sync_buffers: bool | None = None,
+        skip_all_reduce_unused_params: bool = False,
+        batched_grad_copy: bool = False,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)  # nn.Module does not chain __init__; the join config starts disabled
         self._join_divide_by_initial_world_size = True
+        if bucket_cap_mb is None:
+            bucket_cap_mb = 25.0  # torch's None: its default cap
         _validate_arguments(module, bucket_cap_mb, first_bucket_cap_mb)
+        if check_reduction:
+            warnings.warn(
+                "lightning_ddpx.DistributedDataParallel: check_reduction is ignored (the reduction always "
+                "completes); remove it. As torch says: The `check_reduction` argument in "
+                "`DistributedDataParallel` module is deprecated. Please avoid using it.",
+                FutureWarning,
+                stacklevel=2,
+            )
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "lightning_ddpx.DistributedDataParallel needs an initialised default process group: call "
@@ -82,11 +138,16 @@ class DistributedDataParallel(nn.Module, Joinable):
         # them at exit, or the process can abort (lightning_ddpx.engine.exit_threads).
         register_exit_handler()
         self.module = module
-        self._buffer_slots = _buffer_slots(module)
+        # torch's ignore list (set with _set_params_and_buffers_to_ignore_for_model, or by Lightning's
+        # LightningModule attribute): these parameters and buffers are neither checked, broadcast nor reduced.
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        self._buffer_slots = _buffer_slots(module, self.parameters_to_ignore)
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
-        self.broadcast_buffers = broadcast_buffers
+        self.broadcast_buffers = _resolve_forward_sync_buffers(broadcast_buffers, forward_sync_buffers)
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
+        self.batched_grad_copy = batched_grad_copy
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
@@ -98,38 +159,165 @@ class DistributedDataParallel(nn.Module, Joinable):
         # a rank that is only replaying (lightning_ddpx.lightning.uneven); inside join() the join protocol picks it.
         self.buffer_source_rank = 0
 
-        named = list(module.named_parameters())
+        named = self._synced_parameters()
         self.device = _single_device(named)
+        placement = resolve_placement(device_ids, output_device, self.device)
+        self.device_ids, self.output_device = placement.device_ids, placement.output_device
+        self._input_device = placement.input_device
+        self.dim = dim
         _check_sync_batchnorm(module, self.device)
         if init_sync:
             with waiting_for("every rank to describe its model (construction)", self.process_group):
                 verify_same_parameters(named, self.process_group, self.device)
             with waiting_for("rank 0's parameters and buffers (construction)", self.process_group):
                 broadcast_from_rank0(
-                    [p.detach() for _, p in named] + list(module.buffers()), self.process_group
+                    [p.detach() for _, p in named] + self._synced_buffers(), self.process_group
                 )
-        trainable = [(name, p) for name, p in named if p.requires_grad]
-        if not trainable:
-            raise ValueError(
+        # requires_grad may change later: followed at each synchronising forward
+        self._trainable = TrainableSet(named, unused_allowed=find_unused_parameters)
+        self._pending_layout: dict[str, Any] | None = None  # a loaded layout for parameters frozen now
+        if not self._trainable.trainable():
+            raise NothingToSynchronise(
                 "lightning_ddpx.DistributedDataParallel: the module has no parameter with requires_grad=True, "
-                "so there is nothing to synchronise. Unfreeze at least one parameter or do not wrap it."
+                "so there is nothing to synchronise. Unfreeze at least one parameter or do not wrap it. "
+                f"(torch: {_TORCH_NO_GRAD_PHRASE})"
             )
-        self.reducer = Reducer(
+        self._reducer: Reducer | None = self._new_reducer()
+
+    def _new_reducer(self) -> Reducer:
+        """The reducer for the module's trainable parameters, with this module's options.
+
+        Collective on two CPU ranks (it maps the shared-memory slots): every rank builds it at once.
+        """
+        trainable = self._trainable.trainable()
+        self._hook_registered = False
+        self._settings_verified = False  # at the first synchronising forward, once the hook is registered
+        return Reducer(
             params=[p for _, p in trainable],
             names=[name for name, _ in trainable],
             process_group=self.process_group,
-            first_cap_bytes=megabytes_to_bytes(first_bucket_cap_mb),
-            cap_bytes=megabytes_to_bytes(bucket_cap_mb),
-            find_unused_parameters=find_unused_parameters,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            static_graph=static_graph,
+            first_cap_bytes=megabytes_to_bytes(self.first_bucket_cap_mb),
+            cap_bytes=megabytes_to_bytes(self.bucket_cap_mb),
+            find_unused_parameters=self.find_unused_parameters,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            static_graph=self.static_graph,
+            sparse_gradients=expects_sparse_gradients(self.module, [p for _, p in trainable]),
         )
-        self._hook_registered = False
-        self._settings_verified = False  # at the first synchronising forward, once the hook is registered
+
+    def _synced_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The module's parameters this module synchronises: all but those torch's ignore list names."""
+        return [(n, p) for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore]
+
+    def _synced_buffers(self) -> list[torch.Tensor]:
+        return [b for b in (getattr(m, name) for m, name in self._buffer_slots) if b is not None]
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(
+        module: nn.Module, params_and_buffers_to_ignore: Iterable[str]
+    ) -> None:
+        """torch's way to exclude parameters and buffers (fully qualified names) from data parallelism:
+        call it on the module before wrapping; each rank then keeps its own values and gradients of them."""
+        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore  # type: ignore[assignment]
+
+    @property
+    def forward_sync_buffers(self) -> bool:
+        """torch 2.13's name for :attr:`broadcast_buffers` (rank 0's buffers before each synchronised forward)."""
+        return self.broadcast_buffers
+
+    @forward_sync_buffers.setter
+    def forward_sync_buffers(self, value: bool) -> None:
+        self.broadcast_buffers = value
+
+    @property
+    def reducer(self) -> Reducer:
+        """This module's reducer; after unpickling, built at first use (forward, ``no_sync``, a hook...)."""
+        if self._reducer is None:
+            self._reducer = self._new_reducer()
+        return self._reducer
+
+    # ------------------------------------------------------------------------------- pickle and copy
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickling and ``copy.deepcopy`` keep: everything but the process group and the reducer.
+
+        As with torch's DDP: the wrapped module, the options and the buffers travel; the process group
+        cannot be pickled, so only a module averaging over the default group can be, and a comm hook,
+        an overlapped optimizer and the reducer's statistics stay with the original (register them again
+        on the copy).
+        """
+        self._check_default_group()
+        state = copy.copy(self.__dict__)
+        del state["process_group"]
+        state["_reducer"] = None
+        state["_hook_registered"] = False
+        state["_settings_verified"] = False
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Rebuild what pickling left behind: the default group now; the reducer at first use, so that
+        loading on one rank (e.g. for inference) does not wait for the others."""
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "lightning_ddpx.DistributedDataParallel: unpickling a wrapped model needs the default process "
+                "group, but torch.distributed is not initialised (torch's DDP requires it too). Call "
+                "torch.distributed.init_process_group(...) first, or save and load the wrapped module instead: "
+                "torch.save(model.module) / model.module.state_dict()."
+            )
+        super().__setstate__(state)
+        self.process_group = dist.group.WORLD
+        register_exit_handler()
+
+    def _check_default_group(self) -> None:
+        try:
+            is_default = self.process_group == dist.group.WORLD or self.process_group == default_group()
+        except (RuntimeError, ValueError):
+            is_default = False
+        if not is_default:
+            raise RuntimeError(
+                "lightning_ddpx.DistributedDataParallel: this model averages over a process group other than "
+                "the default one, and process groups cannot be pickled or copied. Save or copy the wrapped "
+                "module (model.module) instead, and wrap the copy. (torch: DDP Pickling/Unpickling are only "
+                "supported when using DDP with the default process group. That is, when you have called "
+                "init_process_group and have not passed process_group argument to DDP constructor)"
+            )
+
+    # ---------------------------------------------------------------------------- static graph (torch)
+    def _set_static_graph(self) -> None:
+        """torch's private ``_set_static_graph()``: the same as ``static_graph=True`` at construction.
+
+        Training code calls it after wrapping (e.g. with activation checkpointing); allowed only before the
+        first synchronised backward. Called again, it warns and does nothing, as torch's does.
+        """
+        if self.static_graph:
+            warnings.warn(
+                "lightning_ddpx.DistributedDataParallel: static_graph is already set (You've set static_graph "
+                "to be True, no need to set it again.).",
+                stacklevel=2,
+            )
+            return
+        # As torch: refused once a synchronising forward ran (ARMED: its backward would not record).
+        if self.reducer.iterations_synced > 0 or self.reducer.phase is not Phase.IDLE:
+            raise RuntimeError(
+                "lightning_ddpx.DistributedDataParallel: _set_static_graph() was called after "
+                f"{self.reducer.iterations_synced} synchronised iteration(s) (or after a synchronising forward); "
+                "the static graph is recorded in the first one. Call it right after wrapping, or pass static_graph=True to the constructor "
+                "(torch: set_static_graph() should be called before training loop starts and after "
+                "DistributedDataParallel is constructed.)"
+            )
+        self.static_graph = True
+        self.reducer.set_static_graph()
+        if self.find_unused_parameters:
+            warnings.warn(
+                "lightning_ddpx.DistributedDataParallel: with _set_static_graph(), find_unused_parameters=True "
+                "is not needed: the static graph finds unused parameters in its first iteration (they must "
+                "stay the same in every iteration).",
+                stacklevel=2,
+            )
 
     # ------------------------------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         will_sync = self._before_forward()
+        if self._input_device is not None:  # device_ids, torch's meaning
+            args, kwargs = inputs_to_device(args, kwargs, self._input_device, side_stream_copies())
         output = self.module(*args, **kwargs)
         self._after_forward(output, will_sync)
         return output
@@ -145,6 +333,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             rebuild_src, buffers_src = self._announce_to_joined_ranks(will_sync, sync_buffers)
         if will_sync:
             self._verify_settings_once()
+            self._follow_trainable_changes()
         self.reducer.prepare_forward(will_sync, rebuild_src=rebuild_src)
         if sync_buffers:
             self._broadcast_buffers(buffers_src)
@@ -188,7 +377,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         # Looked up through the slots found at construction, as torch's DDP does, rather than walking every
         # submodule each step (0.1-0.4 ms on models of hundreds of layers, most of which have no buffer);
         # looking each up by name still follows a buffer replaced by assignment (e.g. module.to()).
-        buffers = [b for b in (getattr(m, name) for m, name in self._buffer_slots) if b is not None]
+        buffers = self._synced_buffers()
         if buffers:
             with label("lightning_ddpx::broadcast_buffers"):
                 with waiting_for(
@@ -207,6 +396,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         backward should synchronise and calls this with its loss (used to find unused parameters).
         """
         self._verify_settings_once()
+        self._follow_trainable_changes()
         self.reducer.prepare_forward(will_sync=True)
         self.reducer.prepare_backward(outputs)
 
@@ -221,6 +411,74 @@ class DistributedDataParallel(nn.Module, Joinable):
             verify_same_settings(self.settings(), self.process_group, self.device)
         self._settings_verified = True
 
+    def _follow_trainable_changes(self) -> None:
+        """Before a synchronised backward: if ``requires_grad`` changed on some parameter since the reducer was
+        built, agree on the new set across ranks and reduce it from this backward on
+        (:mod:`lightning_ddpx.engine.trainable_set`). Without a change: one pass over the flags, no collective."""
+        if not self._trainable.changed() or self.reducer.phase is Phase.REDUCING:
+            return
+        step = self.reducer.iterations_synced
+        if self._join_config.enable:
+            raise RuntimeError(
+                f"lightning_ddpx (rank {self.rank}): requires_grad changed on some parameter inside join() "
+                f"(before synchronised step {step + 1}); ranks that already joined cannot take part in re-planning "
+                "the buckets. Freeze or unfreeze parameters before entering join() (e.g. at the start of an "
+                "epoch), or outside the uneven-inputs loop."
+            )
+        with waiting_for(
+            f"every rank to compare its trainable parameters (requires_grad changed before synchronised step "
+            f"{step + 1})",
+            self.process_group,
+        ):
+            trainable = self._trainable.agree(self.process_group, self.device, step)
+            params = [p for _, p in trainable]
+            self.reducer.adopt_params(
+                params, [name for name, _ in trainable], expects_sparse_gradients(self.module, params)
+            )
+        layout, self._pending_layout = self._pending_layout, None
+        if layout is not None and set(layout["parameter_order"]) == {name for name, _ in trainable}:
+            self.reducer.load_order_state(layout)  # a saved layout waiting for these parameters
+
+    def verify_replicas(
+        self,
+        *,
+        buffers: bool = False,
+        optimizer: torch.optim.Optimizer | None = None,
+        step: int | None = None,
+        what: str = "",
+    ) -> ReplicaReport:
+        """Collective: check that every rank holds bitwise the same parameters (and, if asked, buffers and
+        ``optimizer``'s state); raise :class:`~lightning_ddpx.engine.replica_check.ReplicaMismatchError` on
+        every rank, naming the first differing tensor and the ranks, if not.
+
+        Cheap (one pass over the bytes and one ``all_gather`` of a few integers: see
+        :mod:`lightning_ddpx.engine.replica_check`), so it can run every few hundred steps and before each
+        checkpoint. Call it on every rank at the same point, between iterations. ``step`` (default: the
+        synchronised steps so far) is compared too. Buffers are off by default: with ``broadcast_buffers``
+        the ranks' buffers differ between a forward and the next broadcast (e.g. BatchNorm statistics).
+        """
+        if self.reducer.phase is Phase.REDUCING:
+            raise RuntimeError(
+                f"lightning_ddpx (rank {self.rank}): verify_replicas was called while this rank's backward is "
+                "reducing gradients (from a gradient hook or a backward callback); its collective would interleave "
+                "with the buckets'. Call it between iterations, on every rank."
+            )
+        named = named_state(  # torch's ignore list: those differ across ranks on purpose
+            self._synced_parameters(),
+            [(n, b) for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
+            if buffers
+            else (),
+            optimizer,
+        )
+        with waiting_for("every rank's replica digest (verify_replicas)", self.process_group):
+            return verify_replicas(
+                named,
+                self.process_group,
+                self.synchronised_steps if step is None else step,
+                device=self.device,
+                what=what,
+            )
+
     def settings(self) -> dict[str, str]:
         """What must be equal on every rank, as text: reducer options, the comm hook and its options."""
         settings = {
@@ -232,6 +490,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             _qualified_name(self.reducer.hook) if self._hook_registered else "None (mean allreduce)"
         )
         settings["overlap_optimizer"] = repr(self.reducer.overlap is not None)  # it changes the bucket plan
+        # sparse embeddings get buckets of their own: a different sparse flag on one rank means other buckets
+        settings["sparse gradients"] = repr(
+            [name for name, sparse in zip(self.reducer.names, self.reducer.sparse_gradients) if sparse]
+        )
         if self._hook_registered:
             settings.update(_hook_state_settings(self.reducer.hook_state))
         return settings
@@ -242,9 +504,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         The wrapped module can then be wrapped again (e.g. a second ``Trainer.fit``) without the old
         reducer still reacting to its gradients.
         """
-        if self.reducer.overlap is not None:
-            self.reducer.overlap.close()
-        self.reducer.close()
+        if self._reducer is None:
+            return  # unpickled and never used: nothing attached yet
+        if self._reducer.overlap is not None:
+            self._reducer.overlap.close()
+        self._reducer.close()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -318,11 +582,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         Call once, before the first backward. See :mod:`lightning_ddpx.engine.grad_bucket` for how hooks are
         launched and the ordering guarantee.
         """
-        _validate_hook(hook)
+        check_comm_hook(hook)
         if self._hook_registered:
             raise RuntimeError(
                 f"lightning_ddpx: a communication hook ({_describe(self.reducer.hook)}) is already registered; "
-                "register_comm_hook can be called only once. Build a new DistributedDataParallel to change it."
+                "register_comm_hook can only be called once. Build a new DistributedDataParallel to change it. "
+                "(torch: register_comm_hook or register_builtin_comm_hook can only be called once.)"
             )
         if self.reducer.iterations_synced > 0 or self.reducer.phase is Phase.REDUCING:
             raise RuntimeError(
@@ -389,7 +654,18 @@ class DistributedDataParallel(nn.Module, Joinable):
         return self.reducer.order_state()
 
     def load_reducer_state_dict(self, state: dict[str, Any]) -> None:
-        """Adopt a layout saved by :meth:`reducer_state_dict` (same parameters; every rank the same state)."""
+        """Adopt a layout saved by :meth:`reducer_state_dict` (same parameters; every rank the same state).
+
+        A fine-tuning run saved after unfreezing its backbone is resumed with the backbone frozen again until
+        the schedule unfreezes it: ``requires_grad`` changes are followed first, and a layout naming
+        parameters that are frozen now is kept and adopted when exactly its parameters are trainable (at the
+        forward that notices the change), so the resumed run reduces the saved buckets."""
+        self._follow_trainable_changes()
+        names = set(state["parameter_order"])
+        trainable = {name for name, _ in self._trainable.trainable()}
+        if names != trainable and names <= {name for name, _ in self._trainable.named}:
+            self._pending_layout = state  # frozen now: wait until they are trainable
+            return
         self.reducer.load_order_state(state)
 
     def bucket_plan(self) -> list[BucketInfo]:
@@ -431,10 +707,27 @@ def _validate_arguments(module: Any, bucket_cap_mb: float, first_bucket_cap_mb: 
             )
 
 
+def _resolve_forward_sync_buffers(broadcast_buffers: bool, forward_sync_buffers: bool | None) -> bool:
+    """torch 2.13: ``forward_sync_buffers``, when given, decides the per-forward buffer sync and
+    ``broadcast_buffers`` is ignored (torch warns when both are given; ours can only tell when
+    ``broadcast_buffers`` is not its default)."""
+    if forward_sync_buffers is None:
+        return broadcast_buffers
+    if not broadcast_buffers:
+        warnings.warn(
+            "lightning_ddpx.DistributedDataParallel: both broadcast_buffers and forward_sync_buffers are given; "
+            f"forward_sync_buffers={forward_sync_buffers} decides, as in torch. Pass only forward_sync_buffers.",
+            FutureWarning,
+            stacklevel=3,
+        )
+    return forward_sync_buffers
+
+
 def _single_device(named: list[tuple[str, nn.Parameter]]) -> torch.device:
     if not named:
-        raise ValueError(
-            "lightning_ddpx.DistributedDataParallel: the module has no parameters to synchronise."
+        raise NothingToSynchronise(
+            "lightning_ddpx.DistributedDataParallel: the module has no parameters to synchronise. "
+            f"(torch: {_TORCH_NO_GRAD_PHRASE})"
         )
     first_name, first = named[0]
     for name, param in named:
@@ -458,24 +751,6 @@ def _check_sync_batchnorm(module: nn.Module, device: torch.device) -> None:
                 "for GPUs only, but the module is on the CPU (torch's DDP refuses this too). Train on GPUs, or "
                 "use plain BatchNorm on the CPU (Trainer(sync_batchnorm=False))."
             )
-
-
-def _validate_hook(hook: Callable) -> None:
-    import inspect
-
-    if not callable(hook):
-        raise TypeError(f"lightning_ddpx: a communication hook must be callable, got {type(hook).__name__}")
-    try:
-        signature = inspect.signature(hook)
-    except (TypeError, ValueError):
-        return  # builtins without a signature: trust them
-    try:
-        signature.bind(object(), object())
-    except TypeError:
-        raise TypeError(
-            f"lightning_ddpx: communication hook {_describe(hook)} has signature {signature}, but hooks are called "
-            "as hook(state, bucket) and must return a torch.futures.Future holding the reduced bucket tensor."
-        ) from None
 
 
 # Options of hook states that must agree across ranks, by torch's and our names (PowerSGD, post-local SGD).
@@ -510,12 +785,15 @@ def _describe(hook: Callable) -> str:
     return getattr(hook, "__qualname__", None) or repr(hook)
 
 
-def _buffer_slots(module: nn.Module) -> list[tuple[nn.Module, str]]:
-    """(submodule, name) of each buffer of ``module``, each tensor once, in ``module.buffers()`` order."""
+def _buffer_slots(module: nn.Module, ignored: set[str]) -> list[tuple[nn.Module, str]]:
+    """(submodule, name) of each buffer of ``module``, each tensor once, in ``module.buffers()`` order,
+    less those whose fully qualified name (its first, as ``named_buffers()`` gives it) is ``ignored``."""
     slots, seen = [], set()
-    for submodule in module.modules():
+    for prefix, submodule in module.named_modules():
         for name, buffer in submodule.named_buffers(recurse=False):
             if id(buffer) not in seen:
                 seen.add(id(buffer))
-                slots.append((submodule, name))
+                fqn = f"{prefix}.{name}" if prefix else name
+                if fqn not in ignored:
+                    slots.append((submodule, name))
     return slots

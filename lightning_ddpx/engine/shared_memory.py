@@ -74,6 +74,11 @@ class SharedMemoryExchange:
         self._offsets: list[int] = []
         self._generation = 0
 
+    def holds(self, param_bytes: Sequence[int]) -> bool:
+        """Whether these slots hold every bucket layout of parameters of these sizes (the same answer on every
+        rank: the slots were sized alike), so a new parameter set can keep them."""
+        return region_bytes_bound(param_bytes) <= self._slots.shape[2]
+
     def set_layout(self, bucket_bytes: Sequence[int]) -> None:
         """Place the buckets of a new plan (every rank installs the same plan between iterations)."""
         offsets, offset = [], 0

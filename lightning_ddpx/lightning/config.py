@@ -15,6 +15,7 @@ import importlib
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Literal, Mapping, Optional, Union
 
+import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
@@ -35,10 +36,18 @@ from lightning_ddpx.lightning import (
     diloco_setup,
     optimizer_overlap_setup,
     post_local_sgd_setup,
+    replica_verification,
 )
 from lightning_ddpx.lightning.uneven import LockstepLoader, StepQueue, UnevenInputs, check_uneven_inputs
 
-__all__ = ["CommHookFn", "DDPXConfig", "DDPXConfigAttributes", "STRATEGY_NAMES", "register_strategy_names"]
+__all__ = [
+    "FABRIC_STRATEGY_NAMES",
+    "TRAINER_STRATEGY_NAMES",
+    "CommHookFn",
+    "DDPXConfig",
+    "DDPXConfigAttributes",
+    "register_strategy_names",
+]
 
 CommHookFn = Callable[[Any, Any], Any]  # hook(state, bucket: GradBucket) -> torch.futures.Future[Tensor]
 
@@ -190,6 +199,17 @@ class DDPXConfig:
         strategies=("Trainer",),  # Fabric has no step loop to log from: fabric.take_comm_stats(model) instead
     )
 
+    verify_replicas_every_n_steps: Optional[int] = _option(
+        None,
+        "compare every rank's parameters bitwise every N optimizer steps and before each checkpoint is saved "
+        "(a digest per parameter, one small ``all_gather``); a mismatch raises on every rank naming the first "
+        "differing parameter, the ranks and the step. ``None``: never. See docs/engine.md (replica "
+        "verification).",
+        fabric_doc="as in the Trainer strategy: every N ``optimizer.step()`` calls of optimizers set up by Fabric, "
+        "and in ``fabric.save``, for every model set up by this strategy. See docs/engine.md (replica "
+        "verification).",
+    )
+
     def __post_init__(self) -> None:
         for f in fields(self):  # each option's own check, declared with it
             check = f.metadata.get("check")
@@ -215,6 +235,14 @@ class DDPXConfig:
             post_local_sgd_setup.is_configured(self.post_local_sgd, self.comm_state)
             or self.diloco is not None,
         )
+        replica_verification.check_option(
+            self.verify_replicas_every_n_steps,
+            "post-local SGD"
+            if post_local_sgd_setup.is_configured(self.post_local_sgd, self.comm_state)
+            else "DiLoCo"
+            if self.diloco is not None
+            else None,
+        )
         object.__setattr__(self, "bucket_cap_mb", float(self.bucket_cap_mb))
         object.__setattr__(self, "first_bucket_cap_mb", float(self.first_bucket_cap_mb))
 
@@ -233,11 +261,18 @@ class DDPXConfig:
 
     # ------------------------------------------------------------------------------------------ setup
     def wrap(
-        self, module: nn.Module, process_group: Optional[dist.ProcessGroup] = None
+        self,
+        module: nn.Module,
+        process_group: Optional[dist.ProcessGroup] = None,
+        device_ids: Optional[list[int]] = None,
     ) -> DistributedDataParallel:
-        """``module`` in our data-parallel module with these options; :meth:`register_hook` adds the hook."""
+        """``module`` in our data-parallel module with these options; :meth:`register_hook` adds the hook.
+
+        ``device_ids``: what Lightning's DDP strategies pass torch's DDP (:func:`ddp_device_ids`).
+        """
         return DistributedDataParallel(
             module,
+            device_ids=device_ids,
             process_group=process_group,
             bucket_cap_mb=self.bucket_cap_mb,
             first_bucket_cap_mb=self.first_bucket_cap_mb,
@@ -315,6 +350,13 @@ class DDPXConfig:
         if restore.warning:
             rank_zero_warn(restore.warning)
         checkpoint_state.apply_restore(hook_state, restore)
+
+
+def ddp_device_ids(root_device: torch.device) -> Optional[list[int]]:
+    """torch's ``device_ids`` for a process's model, as Lightning's DDP strategies decide them: ``None`` on the
+    CPU, ``[index]`` on an accelerator (forward then moves inputs there, a no-op for Lightning's batches,
+    which are already on it)."""
+    return None if root_device.type == "cpu" else [root_device.index]
 
 
 class _ConfigOption:
@@ -442,22 +484,61 @@ def _restore_bucket_layout(module: DistributedDataParallel, entry: Any) -> None:
         )
 
 
-# The names both strategies register (Trainer's and Fabric's registries): (name, description, arguments).
-STRATEGY_NAMES: tuple[tuple[str, str, dict[str, Any]], ...] = (
-    ("ddpx", "lightning_ddpx DDP, processes launched as scripts (like 'ddp')", {}),
-    ("ddpx_spawn", "lightning_ddpx DDP, processes spawned (like 'ddp_spawn')", {"start_method": "spawn"}),
-    (
-        "ddpx_find_unused_parameters_true",
-        "lightning_ddpx DDP with find_unused_parameters=True",
-        {"find_unused_parameters": True},
-    ),
+# The names each registry gets: (name, description, arguments). Lightning's own DDP names with "ddp" spelled
+# "ddpx" -- the same names and the same ``init_params`` as Lightning's ``DDPStrategy.register_strategies``,
+# separately for the Trainer and for Fabric, whose registries differ -- plus our hook shortcuts.
+_START_METHODS: tuple[tuple[str, str], ...] = (
+    ("ddpx", "popen"),
+    ("ddpx_spawn", "spawn"),
+    ("ddpx_fork", "fork"),
+    ("ddpx_notebook", "fork"),  # what Jupyter and Colab select: forks the notebook's process
+)
+_HOOK_SHORTCUTS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("ddpx_fp16", "lightning_ddpx DDP with fp16-compressed allreduce", {"comm_hook": "fp16"}),
     ("ddpx_powersgd", "lightning_ddpx DDP with PowerSGD (default options)", {"comm_hook": "powersgd"}),
 )
 
 
-def register_strategy_names(strategy_class: type, registry: Any) -> None:
-    """Register :data:`STRATEGY_NAMES` for ``strategy_class`` in a Lightning or Fabric strategy registry."""
-    for name, description, init_params in STRATEGY_NAMES:
+def _start_method_names() -> list[tuple[str, str, dict[str, Any]]]:
+    return [
+        (
+            name,
+            f"lightning_ddpx DDP with `start_method={method!r}` (like {name[:3] + name[4:]!r})",
+            {"start_method": method},
+        )
+        for name, method in _START_METHODS
+    ]
+
+
+def _unused_parameters_name(name: str, method: str, find_unused: bool) -> tuple[str, str, dict[str, Any]]:
+    return (
+        f"{name}_find_unused_parameters_{str(find_unused).lower()}",
+        f"lightning_ddpx DDP with `find_unused_parameters={find_unused}` and `start_method={method!r}`",
+        {"find_unused_parameters": find_unused, "start_method": method},
+    )
+
+
+TRAINER_STRATEGY_NAMES: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    *_start_method_names(),
+    *(
+        _unused_parameters_name(name, method, find_unused)
+        for name, method in _START_METHODS
+        for find_unused in (False, True)
+    ),
+    *_HOOK_SHORTCUTS,
+)
+FABRIC_STRATEGY_NAMES: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    *_start_method_names(),
+    _unused_parameters_name("ddpx", "popen", True),  # Fabric registers this one alone
+    *_HOOK_SHORTCUTS,
+)
+
+
+def register_strategy_names(
+    strategy_class: type, registry: Any, names: tuple[tuple[str, str, dict[str, Any]], ...]
+) -> None:
+    """Register ``names`` (:data:`TRAINER_STRATEGY_NAMES` or :data:`FABRIC_STRATEGY_NAMES`) for
+    ``strategy_class`` in a Lightning or Fabric strategy registry."""
+    for name, description, init_params in names:
         # override=True: re-importing (or reloading) lightning_ddpx must not fail on its own names
         registry.register(name, strategy_class, description=description, override=True, **init_params)

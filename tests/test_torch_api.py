@@ -1,0 +1,412 @@
+"""torch's DDP API on our class: constructor arguments, pickling and copying, errors, ``_set_static_graph``.
+
+Oracle style: each case runs the same call on torch's ``DistributedDataParallel`` and on ours, and expects
+the same outcome (the same value, the same error type with torch's sentence inside our message, the same
+warning category), or, for training, the same parameters after the same steps.
+"""
+
+# No ``from __future__ import annotations``: torch's DDP reads the hooks' annotations as objects (it refuses
+# annotations left as strings, which ours accepts: test_string_annotations_are_accepted).
+import copy
+import io
+import re
+import warnings
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import lightning_ddpx
+from lightning_ddpx._compat.torch import inputs_to_device
+from lightning_ddpx.engine.placement import resolve_placement
+from tests.dist_utils import one_rank_group, run_distributed
+from tests.oracle import assert_same_tensors, rank_batch, train_side_by_side
+from tests.test_engine_oracle import conv_bn, conv_loss, mlp, mlp_loss
+
+TORCH_DDP = torch.nn.parallel.DistributedDataParallel
+OUR_DDP = lightning_ddpx.DistributedDataParallel
+
+
+def outcome(build: Callable[[], Any]) -> tuple[str, str, list[str]]:
+    """(error type or "ok", error text, warning categories) of ``build()``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            build()
+        except Exception as error:  # noqa: BLE001 - the outcome is what is compared
+            return type(error).__name__, str(error), [w.category.__name__ for w in caught]
+    return "ok", "", [w.category.__name__ for w in caught]
+
+
+def torch_sentence(text: str) -> str:
+    """torch's message without its C++ stack or logging prefix: what tests written for torch match."""
+    return text.split("\nException raised from")[0].strip()
+
+
+# --------------------------------------------------------------------------------- constructor (1 rank)
+CONSTRUCTOR_CASES = {
+    "device_ids_none": {"device_ids": None},
+    "device_ids_empty": {"device_ids": []},
+    "device_ids_cpu_module": {"device_ids": [0]},
+    "device_ids_two": {"device_ids": [0, 1]},
+    "output_device_cpu_module": {"output_device": 1},
+    "output_device_zero": {"output_device": 0},  # falsy: torch lets it pass, so do we
+    "dim": {"dim": 1},
+    "check_reduction": {"check_reduction": True},
+    "bucket_cap_mb_none": {"bucket_cap_mb": None},
+    "forward_sync_buffers_off": {"forward_sync_buffers": False},
+    "forward_sync_buffers_on": {"forward_sync_buffers": True},
+    "skip_all_reduce_unused_params": {"skip_all_reduce_unused_params": True},
+    "batched_grad_copy": {"batched_grad_copy": True},
+}
+ATTRIBUTES = (
+    "device_ids", "output_device", "dim", "forward_sync_buffers", "skip_all_reduce_unused_params",
+    "batched_grad_copy",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(CONSTRUCTOR_CASES))
+def test_constructor_arguments_behave_as_torchs(name: str) -> None:
+    kwargs = CONSTRUCTOR_CASES[name]
+    with one_rank_group():
+        made: dict[str, Any] = {}
+        theirs = outcome(lambda: made.__setitem__("torch", TORCH_DDP(nn.Linear(3, 2), **kwargs)))
+        ours = outcome(lambda: made.__setitem__("ours", OUR_DDP(nn.Linear(3, 2), **kwargs)))
+    assert ours[0] == theirs[0], f"ours: {ours}, torch's: {theirs}"
+    assert torch_sentence(theirs[1]) in ours[1]
+    assert ("FutureWarning" in ours[2]) == ("FutureWarning" in theirs[2]) or name == "bucket_cap_mb_none"
+    if theirs[0] == "ok":
+        for attribute in ATTRIBUTES:
+            assert getattr(made["ours"], attribute) == getattr(made["torch"], attribute), attribute
+
+
+def test_positional_arguments_follow_torchs_order() -> None:
+    with one_rank_group():
+        model = OUR_DDP(nn.Linear(3, 2), None, None, 0, True, True, None, 5.0, False, False, False, True)
+        assert (model.bucket_cap_mb, model.static_graph, model.device_ids) == (5.0, True, None)
+
+
+def test_device_ids_name_the_modules_gpu() -> None:
+    """The GPU rules without a GPU: the placement is decided from the module's device alone."""
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    assert resolve_placement([1], None, cuda1) == ([1], 1, cuda1)
+    assert resolve_placement([torch.device("cuda:1")], 0, cuda1) == ([1], 0, cuda1)
+    assert resolve_placement(None, None, cuda1) == (None, None, None)
+    with pytest.raises(
+        ValueError, match=r"device_ids=\[1\] names cuda:1, but the module's parameters are on cuda:0"
+    ):
+        resolve_placement([1], None, cuda0)
+    with pytest.raises(ValueError, match="device_ids can only be None or contain a single element."):
+        resolve_placement([0, 1], None, cuda0)
+
+
+def test_inputs_move_to_the_device_in_their_structures() -> None:
+    """forward's move (torch's own function): tensors inside tuples, dicts and lists, others untouched."""
+    point = torch.ones(2)
+    args, kwargs = inputs_to_device(
+        (point, [point, 3]), {"x": {"y": point}, "n": "text"}, torch.device("meta"), False
+    )
+    assert args[0].device.type == "meta" and args[1][0].device.type == "meta" and args[1][1] == 3
+    assert kwargs["x"]["y"].device.type == "meta" and kwargs["n"] == "text"
+    assert inputs_to_device((), {}, torch.device("meta"), False) == ((), {})
+
+
+# ------------------------------------------------------------------------------------- errors (1 rank)
+def _no_grad_module() -> nn.Module:
+    return nn.Linear(3, 2).requires_grad_(False)
+
+
+@pytest.mark.parametrize("build", [nn.Module, _no_grad_module], ids=["no_parameters", "all_frozen"])
+def test_nothing_to_synchronise_is_a_runtime_error_as_in_torch(build: Callable[[], nn.Module]) -> None:
+    with one_rank_group():
+        theirs = outcome(lambda: TORCH_DDP(build()))
+        with pytest.raises(RuntimeError) as ours:
+            OUR_DDP(build())
+    assert theirs[0] == "RuntimeError"
+    assert isinstance(ours.value, ValueError)  # what earlier releases raised: callers catching it still do
+    assert torch_sentence(theirs[1]) in str(ours.value)
+
+
+def _hook_returning_int(state: object, bucket: dist.GradBucket) -> int:
+    return 0
+
+
+def _hook_taking_int(state: object, bucket: int) -> torch.futures.Future[torch.Tensor]:
+    return torch.futures.Future()
+
+
+def _good_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+BAD_HOOKS = {
+    "not_callable": 1,
+    "bucket_annotation": _hook_taking_int,
+    "return_annotation": _hook_returning_int,
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_HOOKS))
+def test_bad_hooks_are_refused_as_torch_refuses_them(name: str) -> None:
+    hook = BAD_HOOKS[name]
+    with one_rank_group():
+        theirs = outcome(lambda: TORCH_DDP(nn.Linear(3, 2)).register_comm_hook(None, hook))
+        ours = outcome(lambda: OUR_DDP(nn.Linear(3, 2)).register_comm_hook(None, hook))
+    assert theirs[0] != "ok" and ours[0] == theirs[0], f"ours: {ours}, torch's: {theirs}"
+    assert torch_sentence(theirs[1]) in ours[1]
+
+
+def test_a_hook_is_registered_once_with_torchs_sentence() -> None:
+    def twice(ddp_class: type) -> tuple[str, str, list[str]]:
+        model = ddp_class(nn.Linear(3, 2))
+        model.register_comm_hook(None, _good_hook)
+        return outcome(lambda: model.register_comm_hook(None, _good_hook))
+
+    with one_rank_group():
+        theirs, ours = twice(TORCH_DDP), twice(OUR_DDP)
+    assert ours[0] == theirs[0] == "RuntimeError"
+    assert torch_sentence(theirs[1]) in ours[1]
+    assert re.search("register_comm_hook can only be called once.", ours[1])  # older torch's sentence
+
+
+def test_string_annotations_are_accepted() -> None:
+    """``from __future__ import annotations`` leaves annotations as strings: a correct hook stays correct."""
+
+    def hook(state: "object", bucket: "dist.GradBucket") -> "torch.futures.Future[torch.Tensor]":
+        return _good_hook(state, bucket)
+
+    with one_rank_group():
+        OUR_DDP(nn.Linear(3, 2)).register_comm_hook(None, hook)
+
+
+def _train_one_step(model: nn.Module) -> None:
+    model(torch.randn(4, 3)).sum().backward()
+
+
+def test_set_static_graph_as_torchs() -> None:
+    def after_training(ddp_class: type) -> tuple[str, str, list[str]]:
+        model = ddp_class(nn.Linear(3, 2))
+        _train_one_step(model)
+        return outcome(model._set_static_graph)
+
+    def twice(ddp_class: type) -> tuple[str, str, list[str]]:
+        model = ddp_class(nn.Linear(3, 2))
+        model._set_static_graph()
+        return outcome(model._set_static_graph)
+
+    def after_forward(ddp_class: type) -> tuple[str, str, list[str]]:
+        model = ddp_class(nn.Linear(3, 2))
+        model(torch.randn(4, 3))  # a synchronising forward, no backward yet
+        return outcome(model._set_static_graph)
+
+    with one_rank_group():
+        late = after_training(TORCH_DDP), after_training(OUR_DDP)
+        again = twice(TORCH_DDP), twice(OUR_DDP)
+        forward_only = after_forward(TORCH_DDP), after_forward(OUR_DDP)
+        made_static = OUR_DDP(nn.Linear(3, 2))
+        made_static._set_static_graph()
+        assert made_static.static_graph and made_static.reducer.static_graph
+        assert made_static.settings()["static_graph"] == "True"  # compared across ranks like the argument
+    assert late[0][0] == late[1][0] == "RuntimeError"
+    assert "should be called before training loop starts" in late[0][1]
+    assert "should be called before training loop starts" in late[1][1]
+    assert again[0][0] == again[1][0] == "ok" and again[0][2] == again[1][2] == ["UserWarning"]
+    assert forward_only[0][0] == forward_only[1][0] == "RuntimeError"
+
+
+def buffers_stay_local(rank: int, world_size: int) -> None:
+    """forward_sync_buffers=False: each rank keeps its own BatchNorm statistics, as with torch's DDP."""
+    kwargs = {"forward_sync_buffers": False}
+    train_side_by_side(rank, conv_bn, conv_loss, 3, {**kwargs, "bucket_cap_mb": 0.004}, kwargs)
+
+
+@pytest.mark.slow
+def test_forward_sync_buffers_off_keeps_buffers_local_like_torchs() -> None:
+    run_distributed(buffers_stay_local, 2)
+
+
+IGNORED = ["3.weight", "1.running_mean"]  # a parameter and a buffer each rank keeps to itself
+
+
+def with_ignored_tensors() -> nn.Module:
+    """Ranks start with another ``3.weight`` and keep their own gradient of it and their own running mean."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+    with torch.no_grad():
+        model[3].weight.add_(dist.get_rank())
+    OUR_DDP._set_params_and_buffers_to_ignore_for_model(model, IGNORED)
+    return model
+
+
+def ignored_stay_local(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    summary = train_side_by_side(rank, with_ignored_tensors, mlp_loss, 3, {"bucket_cap_mb": 0.004}, {})
+    return {"3.weight": summary["params"]["3.weight"], "0.weight": summary["params"]["0.weight"]}
+
+
+@pytest.mark.slow
+def test_ignored_parameters_and_buffers_stay_local_like_torchs() -> None:
+    """torch's ignore list (``_set_params_and_buffers_to_ignore_for_model``, Lightning's LightningModule
+    attribute): not checked, broadcast nor reduced; every step equal to torch's on each rank."""
+    ranks = run_distributed(ignored_stay_local, 2)
+    assert not torch.equal(ranks[0]["3.weight"], ranks[1]["3.weight"])  # really local
+    assert torch.equal(ranks[0]["0.weight"], ranks[1]["0.weight"])  # the rest synchronised
+
+
+# --------------------------------------------------------------------------- static graph (2 ranks)
+class Checkpointed(nn.Module):
+    """Reentrant activation checkpointing: torch's DDP needs a static graph for it, set after wrapping."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(16, 32)
+        self.block = nn.Sequential(nn.Linear(32, 32), nn.Tanh())
+        self.unused = nn.Linear(4, 4)  # unused in every iteration: found by the static graph's first one
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.first(x))
+        hidden = torch.utils.checkpoint.checkpoint(self.block, hidden, use_reentrant=True)
+        return self.head(hidden)
+
+
+def set_static_graph_later(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    base = Checkpointed()
+    models = [ddp_class(copy.deepcopy(base)) for ddp_class in (OUR_DDP, TORCH_DDP)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
+    for model in models:
+        model._set_static_graph()
+    for step in range(4):
+        for model, optimizer in zip(models, optimizers):
+            optimizer.zero_grad()
+            mlp_loss(model, step).backward()
+            optimizer.step()
+        params = [dict(m.module.named_parameters()) for m in models]
+        assert_same_tensors(params[0], params[1], f"rank {rank} step {step} param", 1e-6, 1e-7)
+
+
+@pytest.mark.slow
+def test_set_static_graph_trains_like_torchs_with_checkpointing() -> None:
+    run_distributed(set_static_graph_later, 2)
+
+
+# ------------------------------------------------------------------------------ pickling (2 ranks)
+def _save_and_load(model: nn.Module) -> nn.Module:
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+def _train(model: nn.Module, steps: range) -> None:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in steps:
+        optimizer.zero_grad()
+        mlp_loss(model, step).backward()
+        optimizer.step()
+
+
+def copies_train_like_torchs(rank: int, world_size: int, how: str) -> dict[str, str]:
+    duplicate = copy.deepcopy if how == "deepcopy" else _save_and_load
+    torch.manual_seed(0)
+    base = mlp()
+    originals = [
+        ddp_class(copy.deepcopy(base), bucket_cap_mb=0.004, gradient_as_bucket_view=True)
+        for ddp_class in (OUR_DDP, TORCH_DDP)
+    ]
+    for model in originals:
+        model.register_comm_hook(None, _good_hook)  # a summing hook: the copies must not keep it
+        _train(model, range(2))  # a trained wrapper, buckets rebuilt, gradients in the buckets
+    copies = [duplicate(model) for model in originals]
+    assert isinstance(copies[0], OUR_DDP) and copies[0].comm_hook is None  # as torch: a hook stays behind
+    assert copies[0].gradient_as_bucket_view and copies[0].bucket_cap_mb == 0.004
+    for model in copies:
+        _train(model, range(2, 5))
+    params = [dict(m.module.named_parameters()) for m in copies]
+    assert_same_tensors(params[0], params[1], f"rank {rank} copy param", 1e-6, 1e-7)
+    # The original keeps training and is untouched by the copy's steps.
+    for model in originals:
+        _train(model, range(5, 7))
+    params = [dict(m.module.named_parameters()) for m in originals]
+    assert_same_tensors(params[0], params[1], f"rank {rank} original param", 1e-6, 1e-7)
+    # A copy made on one rank only (e.g. for an EMA or to save) must not wait for the other ranks.
+    if rank == 0:
+        copy.deepcopy(originals[0]).module(torch.randn(2, 16))
+    _train(originals[0], range(7, 8))
+    # Only a module over the default group can be pickled, as in torch.
+    subgroup = dist.new_group(list(range(world_size)))
+    refusals = {}
+    for ddp_class in (OUR_DDP, TORCH_DDP):
+        on_subgroup = ddp_class(mlp(), process_group=subgroup)
+        refusals[ddp_class.__module__] = "|".join(map(str, outcome(lambda m=on_subgroup: duplicate(m))[:2]))
+    return refusals
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["deepcopy", "torch_save_load"])
+def test_copies_train_like_torchs_copies(how: str) -> None:
+    for refusals in run_distributed(copies_train_like_torchs, 2, how):
+        ours, theirs = refusals["lightning_ddpx.engine.module"], refusals["torch.nn.parallel.distributed"]
+        assert ours.startswith("RuntimeError|") and theirs.startswith("RuntimeError|")
+        assert torch_sentence(theirs.split("|", 1)[1]) in ours
+
+
+def test_unpickling_needs_the_default_group() -> None:
+    with one_rank_group():
+        buffer = io.BytesIO()
+        torch.save(OUR_DDP(nn.Linear(3, 2)), buffer)
+    buffer.seek(0)
+    with pytest.raises(RuntimeError, match="needs the default process group"):
+        torch.load(buffer, weights_only=False)
+
+
+def test_a_copy_has_no_reducer_until_used() -> None:
+    with one_rank_group():
+        model = OUR_DDP(nn.Linear(3, 2))
+        duplicate = copy.deepcopy(model)
+        assert duplicate._reducer is None
+        duplicate.close()  # nothing attached: nothing to do, and nothing built
+        assert duplicate._reducer is None
+        _train_one_step(duplicate)
+        assert duplicate.synchronised_steps == 1 and model.synchronised_steps == 0
+
+
+def test_rank_batch_is_rank_dependent() -> None:
+    """The oracle's data differ per rank, so an unreduced gradient cannot match torch's by accident."""
+    assert not torch.equal(rank_batch(0, 0, (2, 2)), rank_batch(1, 0, (2, 2)))
+
+
+def test_the_strategies_pass_device_ids_as_lightnings_ddp() -> None:
+    """Lightning's DDP strategies give torch's DDP ``device_ids=[root_device.index]`` on a GPU, None on the
+    CPU; ours give our module the same (the Trainer's strategy through Lightning's own method)."""
+    from lightning.fabric.strategies import DDPStrategy as FabricDDP
+
+    from lightning_ddpx.lightning.config import DDPXConfig, ddp_device_ids
+
+    for device in (torch.device("cpu"), torch.device("cuda", 3)):
+        fabric_ddp = FabricDDP(parallel_devices=[device])
+        assert ddp_device_ids(device) == fabric_ddp._determine_ddp_device_ids()
+    with one_rank_group():
+        assert DDPXConfig().wrap(nn.Linear(3, 2), device_ids=None).device_ids is None
+
+
+def ignored_pass_verification(rank: int, world_size: int) -> list[str]:
+    model = OUR_DDP(with_ignored_tensors(), bucket_cap_mb=0.004)
+    report = model.verify_replicas(buffers=True)  # 3.weight and 1.running_mean differ on purpose
+    with torch.no_grad():
+        model.module[0].weight[0, 0].add_(float(rank))  # a synchronised parameter diverges on rank 1
+    try:
+        model.verify_replicas()
+    except lightning_ddpx.ReplicaMismatchError as error:
+        return [str(report.tensors), str(error)]
+    return [str(report.tensors), "no error"]
+
+
+@pytest.mark.slow
+def test_verify_replicas_leaves_torchs_ignored_tensors_out() -> None:
+    """Tensors on torch's ignore list differ across ranks by design: replica verification skips them and
+    still catches a synchronised parameter that diverges."""
+    for tensors, error in run_distributed(ignored_pass_verification, 2):
+        assert tensors == "7", tensors  # 6 parameters + 3 buffers, less the two ignored
+        assert "0.weight" in error and "ranks [1]" in error, error
