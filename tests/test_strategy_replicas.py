@@ -137,6 +137,8 @@ def test_the_option_is_checked_when_the_strategy_is_built() -> None:
         ValueError, match="verify_replicas_every_n_steps cannot be combined with post-local SGD"
     ):
         DDPXStrategy(verify_replicas_every_n_steps=10, comm_hook="post_local_sgd", model_averaging_period=2)
+    with pytest.raises(ValueError, match="verify_replicas_every_n_steps cannot be combined with DiLoCo"):
+        DDPXStrategy(verify_replicas_every_n_steps=10, comm_hook="diloco")
 
 
 def fabric_diverging(rank: int, world_size: int, directory: str) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from torch import nn
 
 from lightning_ddpx.engine.module import DistributedDataParallel
 from lightning_ddpx.hooks import (
+    DiLoCoOptions,
     PostLocalSGDOptions,
     PowerSGDOptions,
     available_hooks,
@@ -32,6 +33,7 @@ from lightning_ddpx.hooks import (
 from lightning_ddpx.hooks.registry import hook_entry, hooks_taking
 from lightning_ddpx.lightning import (
     checkpoint_state,
+    diloco_setup,
     optimizer_overlap_setup,
     post_local_sgd_setup,
     replica_verification,
@@ -98,7 +100,7 @@ class DDPXConfig:
     comm_hook: Optional[Union[str, CommHookFn]] = _option(
         None,
         "a registered hook name (``allreduce``, ``fp16``, ``bf16``, ``powersgd``, ``batched_powersgd``, "
-        "``post_local_sgd``, ``noop``, or one added with ``lightning_ddpx.hooks.register_hook_name``), a callable "
+        "``post_local_sgd``, ``diloco``, ``noop``, or one added with ``lightning_ddpx.hooks.register_hook_name``), a callable "
         "``hook(state, bucket) -> Future[Tensor]`` such as torch's ``ddp_comm_hooks``, or its import path as a "
         "string (how YAML names one). ``None``: plain mean allreduce, bit for bit torch's default.",
     )
@@ -130,6 +132,13 @@ class DDPXConfig:
         fabric_doc="as in the Trainer strategy: after each ``optimizer.step()`` of an optimizer that holds a "
         "post-local SGD model's parameters, those parameters are averaged when due; ``fabric.save``/"
         "``fabric.load`` keep the hook's iteration, the averager's step and every rank's own weights.",
+    )
+    diloco: Optional[Union[DiLoCoOptions, dict[str, Any]]] = _option(
+        None,
+        'options of ``comm_hook="diloco"``: ``period`` (H, inner steps between syncs), ``outer_lr``, '
+        "``outer_momentum``, ``nesterov``, ``fragments`` and ``overlap_steps`` (streaming DiLoCo), ``mixing``, "
+        '``precision`` of the outer all-reduce (``"fp32"``, ``"bf16"``, ``"fp16"``), as a ``DiLoCoOptions`` or '
+        "a dict. See docs/diloco.md.",
     )
     bucket_cap_mb: float = _option(
         25.0, "gradient bucket size in MiB (torch's default).", check=_positive_megabytes("bucket_cap_mb")
@@ -218,12 +227,21 @@ class DDPXConfig:
                 comm_hook, self.comm_state, self.post_local_sgd, self.model_averaging_period
             ),
         )
+        object.__setattr__(
+            self, "diloco", diloco_setup.resolve_options(comm_hook, self.diloco, self.comm_wrapper)
+        )
         optimizer_overlap_setup.check_option(
-            self.overlap_optimizer, post_local_sgd_setup.is_configured(self.post_local_sgd, self.comm_state)
+            self.overlap_optimizer,
+            post_local_sgd_setup.is_configured(self.post_local_sgd, self.comm_state)
+            or self.diloco is not None,
         )
         replica_verification.check_option(
             self.verify_replicas_every_n_steps,
-            post_local_sgd_setup.is_configured(self.post_local_sgd, self.comm_state),
+            "post-local SGD"
+            if post_local_sgd_setup.is_configured(self.post_local_sgd, self.comm_state)
+            else "DiLoCo"
+            if self.diloco is not None
+            else None,
         )
         object.__setattr__(self, "bucket_cap_mb", float(self.bucket_cap_mb))
         object.__setattr__(self, "first_bucket_cap_mb", float(self.first_bucket_cap_mb))
@@ -288,7 +306,9 @@ class DDPXConfig:
                 powersgd=self.powersgd,
                 wrapper=self.comm_wrapper,
                 post_local_sgd=self.post_local_sgd,
+                diloco=self.diloco,
             )
+            diloco_setup.attach(state, module)
         else:
             state, hook = post_local_sgd_setup.adopt_torch_state(
                 self.comm_state, self.comm_hook, self.model_averaging_period

@@ -18,8 +18,9 @@ from lightning_ddpx.engine.module import DistributedDataParallel
 __all__ = ["ReplicaVerifier", "check_option"]
 
 
-def check_option(every_n_steps: Any, post_local_sgd_configured: bool) -> None:
-    """Constructor-time checks of the option (no process group)."""
+def check_option(every_n_steps: Any, local_steps_by: Optional[str]) -> None:
+    """Constructor-time checks of the option (no process group). ``local_steps_by``: the configured method
+    whose replicas differ on purpose between synchronisations ("post-local SGD", "DiLoCo"), if any."""
     if every_n_steps is None:
         return
     if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
@@ -27,10 +28,10 @@ def check_option(every_n_steps: Any, post_local_sgd_configured: bool) -> None:
             "DDPXStrategy: verify_replicas_every_n_steps must be a positive number of optimizer steps or None "
             f"(no verification), got {every_n_steps!r}."
         )
-    if post_local_sgd_configured:
+    if local_steps_by is not None:
         raise ValueError(
-            "DDPXStrategy: verify_replicas_every_n_steps cannot be combined with post-local SGD: its replicas "
-            "differ on purpose between model averagings. Drop verify_replicas_every_n_steps (or post-local SGD)."
+            f"DDPXStrategy: verify_replicas_every_n_steps cannot be combined with {local_steps_by}: its replicas "
+            f"differ on purpose between synchronisations. Drop verify_replicas_every_n_steps (or {local_steps_by})."
         )
 
 

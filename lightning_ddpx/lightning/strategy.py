@@ -40,6 +40,7 @@ from lightning_ddpx.hooks.model_averaging import ModelAverager
 from lightning_ddpx.lightning import _compat as lightning_compat
 from lightning_ddpx.lightning import (
     checkpoint_state,
+    diloco_setup,
     local_replicas,
     optimizer_overlap_setup,
     post_local_sgd_setup,
@@ -222,6 +223,10 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
             if self._averager is not None:
                 post_local_sgd_setup.average_after_step(self._averager, optimizer)
+                if self.comm_stats_every_n_steps and self.lightning_module is not None:
+                    trainer = lightning_compat.trainer_of(self.lightning_module)
+                    if trainer is not None:  # DiLoCo: bytes of each outer sync
+                        diloco_setup.log_outer_syncs(self._hook_state, trainer)
         self._replicas.after_optimizer_step(self._our_model())
         return output
 
@@ -401,7 +406,10 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     def _take_local_replica(self, checkpoint: dict[str, Any]) -> None:
         """This rank's own optimizer state replaces rank 0's in ``checkpoint`` (Lightning loads it after
         setup); its weights wait for the module to be wrapped."""
-        averaging = post_local_sgd_setup.is_configured(self.post_local_sgd, self.comm_state)
+        averaging = (
+            post_local_sgd_setup.is_configured(self.post_local_sgd, self.comm_state)
+            or self.diloco is not None
+        )
         mine = local_replicas.replica_for_rank(
             checkpoint.pop(local_replicas.REPLICAS_KEY, None), self.global_rank, self.world_size, averaging
         )
@@ -442,6 +450,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     def teardown(self) -> None:
         log.debug(f"{type(self).__name__}: tearing down")
         pl_module = self.lightning_module
+        diloco_setup.finish(self._hook_state)  # no DiLoCo exchange left in flight when the group goes
         if isinstance(self.model, DistributedDataParallel):
             self._final_bucket_layout = (
                 self.model.reducer_state_dict()
