@@ -90,6 +90,9 @@ HOOK_PAIRS: dict[str, tuple[dict, Callable[[], tuple[Any, Callable]], dict, floa
     "fp16": (SMALL_BUCKETS, lambda: (None, torch_default.fp16_compress_hook), {}, 1e-3, 1e-4),
     "bf16": (SMALL_BUCKETS, lambda: (None, torch_default.bf16_compress_hook), {}, 1e-2, 1e-3),
     "noop": (SMALL_BUCKETS, lambda: (None, debugging_hooks.noop_hook), {}, 0.0, 0.0),
+    # DiLoCo's gradient hook hands the local gradients back, as torch's noop hook does (its outer step runs
+    # after the optimizer step, outside the module: tests/test_diloco_oracle.py)
+    "diloco": (SMALL_BUCKETS, lambda: (None, debugging_hooks.noop_hook), {}, 0.0, 0.0),
     "powersgd": (
         ONE_BUCKET,
         lambda: (torch_powersgd.PowerSGDState(None, **POWERSGD), torch_powersgd.powerSGD_hook),

@@ -20,8 +20,13 @@ One 2-rank job per hook runs all of its cases (process start-up paid once). Mode
 - ``overlap``: ``overlap_optimizer_with``;
 - ``unfrozen``: the first layer frozen when wrapped, unfrozen (and added to the optimizer) at step 2.
 
-Not run: ``join`` with ``post_local_sgd``: its model averager's collectives are outside the module, so a
-rank that joined does not shadow them (as with torch's Join: use ``throw_on_early_termination``).
+Not run: ``join`` with ``post_local_sgd`` or ``diloco``: their averagers' collectives are outside the module,
+so a rank that joined does not shadow them (as with torch's Join: use ``throw_on_early_termination``).
+
+``diloco`` trains each replica alone between outer synchronisations, on purpose: its replicas are verified
+(parameters; the inner optimizers' state stays local by design) right after each outer step, every 2 steps
+here, where they must be bitwise equal; a layer unfrozen after wrapping must be refused by name (DiLoCo's
+outer step covers the parameters trainable at set-up), never left to drift.
 """
 
 from __future__ import annotations
@@ -50,8 +55,14 @@ HOOK_OPTIONS: dict[str, dict[str, Any]] = {
     "powersgd": {"powersgd": {"start_powerSGD_iter": START, "min_compression_rate": 1.0}},
     "batched_powersgd": {"powersgd": {"start_powerSGD_iter": START, "min_compression_rate": 1.0}},
     "post_local_sgd": {"post_local_sgd": {"start_localSGD_iter": START, "period": 2}},
+    "diloco": {"diloco": {"period": 2}},
 }
-SKIPPED = {("post_local_sgd", "join"): "the model averager's collectives are not shadowed by join"}
+SKIPPED = {
+    ("post_local_sgd", "join"): "the model averager's collectives are not shadowed by join",
+    ("diloco", "join"): "the outer step's collectives are not shadowed by join",
+}
+# combinations refused with a named error (the verdict must start with "error" and hold this text)
+REFUSED = {("diloco", "unfrozen"): "became trainable after DiLoCo was set up"}
 
 
 def mlp() -> nn.Module:
@@ -75,6 +86,12 @@ class Run:
         self.model.register_comm_hook(self.state, hook_fn)
         self.averager = (
             PeriodicModelAverager(period=2, warmup_steps=START) if hook == "post_local_sgd" else None
+        )
+        if hook == "diloco":  # what the strategies do at set-up: the outer step after every optimizer step
+            self.state.attach(self.base.named_parameters())
+            self.averager = self.state.averager
+        self.synchronised = (
+            True  # whether the replicas must agree after this step (DiLoCo: after outer steps)
         )
         trainable = [p for p in self.base.parameters() if p.requires_grad]
         self.optimizer = torch.optim.SGD(trainable, lr=0.05, momentum=0.9)
@@ -112,7 +129,12 @@ class Run:
         if not self.model.optimizer_stepped_in_backward:
             self.optimizer.step()
         if self.averager is not None:
-            self.averager.average_parameters(self.base.parameters())
+            applied = self.averager.average_parameters(self.base.parameters())
+            self.synchronised = self.hook != "diloco" or applied
+
+    def verify_if_synchronised(self, step: int) -> None:
+        if self.synchronised:  # DiLoCo: parameters only, the inner optimizers' state is local by design
+            self.verify(step, optimizer=self.hook != "diloco")
 
     def verify(self, step: int, optimizer: bool = True) -> None:
         self.model.verify_replicas(optimizer=self.optimizer if optimizer else None, step=step)
@@ -169,7 +191,7 @@ def train(hook: str, mode: str, resume: bool) -> dict[str, torch.Tensor]:
         else:
             for step in range(start, end):
                 run.step(step)
-                run.verify(step)
+                run.verify_if_synchronised(step)
     final = {name: p.detach().clone() for name, p in run.base.named_parameters()}
     final["bucket plan"] = torch.tensor(  # the resumed run must reduce the saved run's buckets
         [zlib.crc32(",".join(info.parameter_names).encode()) for info in run.model.bucket_plan()]
@@ -233,9 +255,16 @@ def test_replicas_stay_bitwise_equal(hook: str) -> None:
             if hook == "noop":  # reduces nothing: the verification must catch it, in every mode
                 if not verdict.startswith("mismatch"):
                     problems.append(f"{mode}/{kind}: divergence went unnoticed: {verdict}")
+            elif (hook, mode) in REFUSED:
+                if not (verdict.startswith("error") and REFUSED[hook, mode] in verdict):
+                    problems.append(f"{mode}/{kind}: expected the named refusal, got: {verdict}")
             elif verdict != "equal":
                 problems.append(f"{mode}/{kind}: {verdict}")
-        if hook != "noop" and outcomes[0].get(f"{mode}/resume_matches") != "same":
+        if (
+            hook != "noop"
+            and (hook, mode) not in REFUSED
+            and outcomes[0].get(f"{mode}/resume_matches") != "same"
+        ):
             problems.append(
                 f"{mode}: resumed run differs from the uninterrupted one in {outcomes[0].get(f'{mode}/resume_matches')}"
             )

@@ -186,6 +186,7 @@ class DiLoCoState:
         self.bytes_sent = 0  # payload bytes of all outer exchanges
         self._new_syncs: list[OuterSync] = []
         self.params: list[torch.Tensor] = []
+        self._watched: list[tuple[str, torch.Tensor, bool]] = []  # (name, parameter, trainable at attach)
         self.anchors: list[torch.Tensor] = []
         self.fragment_of: list[int] = []
         self.outer_optimizer: Optional[torch.optim.SGD] = None
@@ -202,10 +203,15 @@ class DiLoCoState:
         """Whether ranks may hold different weights or inner optimizer state (after the first inner step)."""
         return self.step > 0
 
-    def attach(self, params: Iterable[torch.Tensor]) -> None:
-        """Take ``params`` (the trainable parameters, in order) as the replica's; their values become the
-        anchors. Checks that the backend can reduce the chosen precision."""
-        self.params = [p for p in params if p.requires_grad]
+    def attach(self, params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Take ``params`` (the module's parameters, or ``named_parameters()``, in order) as the replica's:
+        the trainable ones' values become the anchors. Checks that the backend can reduce the chosen
+        precision. The frozen ones are watched: the outer step covers only the parameters trainable now."""
+        named = [
+            item if isinstance(item, tuple) else (f"parameter {i}", item) for i, item in enumerate(params)
+        ]
+        self._watched = [(name, p, p.requires_grad) for name, p in named]
+        self.params = [p for _, p in named if p.requires_grad]
         if not self.params:
             raise ValueError("comm_hook='diloco': the model has no trainable parameters to synchronise.")
         self.fragment_of = fragment_of_parameters([p.numel() for p in self.params], self.options.fragments)
@@ -235,6 +241,7 @@ class DiLoCoState:
                 "comm_hook='diloco': the state is not attached to a model; the strategy does this when it "
                 "wraps the module (DiLoCoState.attach(module.parameters()) when used by hand)."
             )
+        self._refuse_changed_trainable_set()
         o = self.options
         for fragment in range(o.fragments):
             start = o.offset(fragment)
@@ -246,6 +253,20 @@ class DiLoCoState:
                 self._apply(fragment)
                 applied = True
         return applied
+
+    def _refuse_changed_trainable_set(self) -> None:
+        """A parameter unfrozen after :meth:`attach` (a fine-tuning schedule) would train on each replica and
+        never be synchronised: the replicas would drift apart silently. Refuse it by name (every rank alike,
+        as every rank flips the same flags). One frozen later is harmless (its change stays zero)."""
+        unfrozen = [name for name, p, was in self._watched if p.requires_grad and not was]
+        if unfrozen:
+            raise RuntimeError(
+                f"comm_hook='diloco': {unfrozen[0]} became trainable after DiLoCo was set up ({len(unfrozen)} "
+                "parameter(s) unfrozen). DiLoCo's outer step covers the parameters "
+                "trainable when the model was wrapped; one unfrozen later would never be synchronised. Set "
+                "requires_grad before wrapping (before fit), or use another comm_hook for fine-tuning schedules "
+                "such as BackboneFinetuning."
+            )
 
     def _send(self, fragment: int, step: int) -> None:
         indices = self.fragment_params(fragment)

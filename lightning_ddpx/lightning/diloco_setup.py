@@ -52,7 +52,7 @@ def attach(state: Any, module: Any) -> None:
     """Bind a DiLoCo state to the wrapped ``module``'s trainable parameters (after its initial broadcast, so
     every rank starts from rank 0's values as anchors). Other states: nothing."""
     if isinstance(state, DiLoCoState):
-        state.attach(module.module.parameters())
+        state.attach(module.module.named_parameters())
 
 
 def outer_sync_metrics(source: Any) -> list[dict[str, float]]:
