@@ -171,6 +171,54 @@ def test_a_hook_is_registered_once_with_torchs_sentence() -> None:
     assert re.search("register_comm_hook can only be called once.", ours[1])  # older torch's sentence
 
 
+def _returns_int(state: object, bucket: dist.GradBucket):  # noqa: ANN202 - unannotated, as users write them
+    return 1
+
+
+def _returns_tensor(state: object, bucket: dist.GradBucket):  # noqa: ANN202
+    return bucket.buffer()
+
+
+def _returns_none(state: object, bucket: dist.GradBucket):  # noqa: ANN202
+    return None
+
+
+NOT_A_FUTURE = {"int": _returns_int, "tensor": _returns_tensor}  # torch 2.13 crashes (SIGSEGV) on None
+TORCH_NOT_A_FUTURE = re.compile(r"callback must return a torch\.futures\.Future object, but got \S+")
+
+
+@pytest.mark.parametrize("name", sorted(NOT_A_FUTURE))
+def test_a_hook_returning_no_future_fails_backward_with_torchs_sentence(name: str) -> None:
+    """An unannotated hook passes registration; torch's backward then refuses its result with a
+    RuntimeError naming the type it got. Ours raises the same type and sentence, naming the hook too."""
+    hook = NOT_A_FUTURE[name]
+
+    def backward(ddp_class: type) -> tuple[str, str, list[str]]:
+        model = ddp_class(nn.Linear(3, 2))
+        model.register_comm_hook(None, hook)
+        return outcome(lambda: model(torch.randn(4, 3)).sum().backward())
+
+    with one_rank_group():
+        theirs = backward(TORCH_DDP)
+    with one_rank_group():
+        ours = backward(OUR_DDP)
+    sentence = TORCH_NOT_A_FUTURE.search(theirs[1])
+    assert theirs[0] == "RuntimeError" and sentence, f"torch's behaviour changed: {theirs}"
+    assert ours[0] == "RuntimeError" and sentence.group(0) in ours[1], f"ours: {ours}, torch's: {theirs}"
+    assert hook.__qualname__ in ours[1]  # the culprit, which torch's message does not name
+
+
+def test_a_hook_returning_none_fails_backward_in_torchs_words() -> None:
+    """No oracle here: torch 2.13's backward segfaults on a hook returning None. Ours raises its error."""
+    with one_rank_group():
+        model = OUR_DDP(nn.Linear(3, 2))
+        model.register_comm_hook(None, _returns_none)
+        with pytest.raises(RuntimeError, match="_returns_none") as raised:
+            model(torch.randn(4, 3)).sum().backward()
+    sentence = "callback must return a torch.futures.Future object, but got builtins.NoneType"
+    assert sentence in str(raised.value)
+
+
 def test_string_annotations_are_accepted() -> None:
     """``from __future__ import annotations`` leaves annotations as strings: a correct hook stays correct."""
 
