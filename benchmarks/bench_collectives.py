@@ -40,7 +40,13 @@ import torch.distributed as dist  # noqa: E402
 from benchmarks.common import format_table, launch  # noqa: E402
 from lightning_ddpx.bench.timing import rotated  # noqa: E402
 from lightning_ddpx.engine.grad_bucket import GradBucket  # noqa: E402
-from lightning_ddpx.engine.shared_memory import SharedMemoryExchange, open_exchange  # noqa: E402
+from lightning_ddpx.engine.shared_memory import (  # noqa: E402
+    SharedMemoryExchange,
+    gather_obstacles,
+    local_obstacles,
+    obstacles_refusal,
+    open_exchange,
+)
 
 PIECE_COUNTS = (2, 4, 8)
 
@@ -101,7 +107,9 @@ def collective_rank(rank: int, world_size: int, sizes_mb: list[float], repeats: 
     if world_size != 2:
         raise ValueError(f"bench_collectives compares two-rank reductions; got world size {world_size}")
     numels = [2 * max(1, int(size_mb * 1e6 / 4) // 2) for size_mb in sizes_mb]  # even: the halves are equal
-    cases = contenders(open_exchange(dist.group.WORLD, [4 * max(numels)])[0])  # None over --link
+    # None over --link (DDPX_SHARED_MEMORY=0 there: the nodes stand for two machines)
+    wanted = obstacles_refusal(gather_obstacles(dist.group.WORLD, local_obstacles(True)), rank) is None
+    cases = contenders(open_exchange(dist.group.WORLD, [4 * max(numels)])[0] if wanted else None)
     out: dict[str, Any] = {}
     for size_mb, numel in zip(sizes_mb, numels):
         local = torch.randn(numel, generator=torch.Generator().manual_seed(rank))

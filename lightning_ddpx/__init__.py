@@ -19,6 +19,7 @@ from lightning_ddpx.engine.compile import GraphSplit, compile_model, compiled_gr
 from lightning_ddpx.engine.diagnosis import CollectiveMismatchError
 from lightning_ddpx.engine.grad_bucket import GradBucket, collectives_issued_on_call, record_bytes_sent
 from lightning_ddpx.engine.module import DistributedDataParallel
+from lightning_ddpx.engine.replica_check import ReplicaMismatchError, ReplicaReport
 
 if TYPE_CHECKING:
     from lightning_ddpx.lightning.checkpoint_io import AtomicCheckpointIO
@@ -34,6 +35,8 @@ __all__ = [
     "DistributedDataParallel",
     "GradBucket",
     "GraphSplit",
+    "ReplicaMismatchError",
+    "ReplicaReport",
     "StepCommStats",
     "UnevenInputsError",
     "collectives_issued_on_call",

@@ -198,3 +198,13 @@ def test_collectives_benchmark_runs_end_to_end() -> None:
     completed = run_benchmark("bench_collectives.py", "--sizes-mb", "0.01", "--repeats", "1")
     assert "halves" in completed.stdout and "0.0 MB" in completed.stdout
     assert "shared memory" in completed.stdout  # the engine's own two-rank path, on one machine
+
+
+@pytest.mark.slow
+def test_replica_check_benchmark_runs_end_to_end(tmp_path) -> None:
+    out = tmp_path / "replica.json"
+    run_benchmark(
+        "bench_replica_check.py", "--models", "tiny", "--rounds", "2", "--warmup", "1", "--json", str(out)
+    )
+    tiny = json.loads(out.read_text())["models"]["tiny"]
+    assert set(tiny["cost_share"]) == {"1", "10", "100"} and tiny["median_s"]["verify"] > 0

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.fabric import Fabric
+from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 
@@ -244,9 +245,7 @@ def test_unknown_hook_name_lists_the_registered_ones():
         DDPXStrategy(comm_hook="powersdg")
 
 
-@pytest.mark.parametrize(
-    "name", ["ddpx", "ddpx_spawn", "ddpx_find_unused_parameters_true", "ddpx_fp16", "ddpx_powersgd"]
-)
+@pytest.mark.parametrize("name", sorted(n for n in STRATEGY_REGISTRY if n.startswith("ddpx")))
 def test_fabric_names_build_the_fabric_strategy_with_the_trainer_options(name):
     fabric = Fabric(accelerator="cpu", devices=2, strategy=name)
     trainer_strategy = StrategyRegistry.get(name)
@@ -261,3 +260,26 @@ def test_options_are_read_only_and_survive_pickling_for_spawn():
     with pytest.raises(AttributeError, match="comm_hook is read-only"):
         strategy.comm_hook = "fp16"
     assert pickle.loads(pickle.dumps(strategy)).ddpx_config == strategy.ddpx_config
+
+
+def test_no_backward_sync_control_is_lightnings_kind_and_takes_torchs_module_too():
+    """Oracle: Fabric's own DDP strategy. Ours is a subclass of its sync control, refuses an unwrapped
+    module with the same phrase, and calls ``no_sync()`` of our module or of torch's, only when enabled."""
+    from unittest.mock import MagicMock
+
+    from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+    from lightning.fabric.strategies.ddp import _DDPBackwardSyncControl
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    theirs, ours = FabricDDPStrategy()._backward_sync_control, DDPXStrategy()._backward_sync_control
+    assert isinstance(ours, _DDPBackwardSyncControl)
+    phrase = "is only possible if the module passed to .* is wrapped in `DistributedDataParallel`"
+    for control in (theirs, ours):
+        with pytest.raises(TypeError, match=phrase):
+            control.no_backward_sync(nn.Linear(1, 1), True)
+    for wrapper in (TorchDDP, lightning_ddpx.DistributedDataParallel):
+        module = MagicMock(spec=wrapper)
+        with ours.no_backward_sync(module, False):
+            module.no_sync.assert_not_called()
+        with ours.no_backward_sync(module, True):
+            module.no_sync.assert_called_once()

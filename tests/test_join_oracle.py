@@ -54,6 +54,22 @@ class Branches(nn.Module):
         return self.a(h) if dist.get_rank() == 0 else self.b(h)
 
 
+class SideInNoSync(nn.Module):
+    """Rank 0 uses ``side`` in its no_sync() micro-batches only (every other call, accumulating two): its
+    accumulated gradient must be averaged at the next synchronised backward, also once a rank has joined."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(16, 16)
+        self.side = nn.Linear(16, 16)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.trunk(x)
+        return self.side(h) + h if dist.get_rank() == 0 and self.calls % 2 == 1 else h
+
+
 def _loss(model: nn.Module, step: int, conv: bool) -> torch.Tensor:
     rank = dist.get_rank()
     shape = (4, 3, 8, 8) if conv else (8, 16)
@@ -84,6 +100,11 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "mlp_no_sync": {"accumulate": 2},
     "conv_bn": {"build": conv_bn, "conv": True},
     "branches_unused": {"build": Branches, "kwargs": {"find_unused_parameters": True}},
+    "side_only_in_no_sync": {
+        "build": SideInNoSync,
+        "kwargs": {"find_unused_parameters": True},
+        "accumulate": 2,
+    },
     "mlp_as_view": {"kwargs": {"gradient_as_bucket_view": True}},
     "allreduce_hook": {"hook": ("allreduce", default_hooks.allreduce_hook)},
     "fp16_hook": {"hook": ("fp16", default_hooks.fp16_compress_hook), "tolerance": 1e-3},
@@ -157,7 +178,14 @@ def test_join_matches_torch_two_ranks() -> None:
 
 
 def test_join_matches_torch_three_ranks_one_without_input() -> None:
-    names = ["mlp", "mlp_current_world_size", "conv_bn", "branches_unused", "fp16_hook"]
+    names = [
+        "mlp",
+        "mlp_current_world_size",
+        "conv_bn",
+        "branches_unused",
+        "side_only_in_no_sync",
+        "fp16_hook",
+    ]
     _check_against_torch(run_distributed(run_against_torch, 3, names, timeout=180))
 
 

@@ -106,6 +106,9 @@ def test_every_shipped_config_builds_its_strategy(config, cli_train, monkeypatch
         assert strategy.model_averaging_period == 4
         assert (strategy.post_local_sgd.start_localSGD_iter, strategy.post_local_sgd.subgroup) == (20, 1)
         assert strategy.post_local_sgd.period == 4  # model_averaging_period, filled in
+    if config.stem == "diloco":
+        o = strategy.diloco
+        assert (o.period, o.fragments, o.overlap_steps, o.precision, o.nesterov) == (20, 2, 2, "bf16", True)
 
 
 @pytest.mark.slow

@@ -128,6 +128,47 @@ def test_unused_parameter_error_names_it_and_the_fix():
     assert "find_unused_parameters=True" in message and "ddpx_find_unused_parameters_true" in message
 
 
+class ExtraNeverUsed(TinyRegressor):
+    """``extra`` never takes part in the loss, on any rank: the same error on every rank, no hang."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = torch.nn.Linear(4, 4)
+
+
+def unused_everywhere_job(rank: int, world_size: int) -> dict:
+    quiet()
+    from datetime import timedelta
+
+    from lightning_ddpx import DDPXStrategy
+
+    messages = {}
+    for label, strategy in (("ddp", "ddp"), ("ddpx", DDPXStrategy(timeout=timedelta(seconds=20)))):
+        try:  # torch's DDP raises in the second forward, ours at the end of the first backward
+            fit(strategy, max_steps=2, model_cls=ExtraNeverUsed)
+        except RuntimeError as error:
+            messages[label] = str(error)
+    return messages
+
+
+def test_unused_parameter_error_keeps_ours_and_says_what_lightning_says():
+    """Oracle: the message of Lightning's ``ddp`` (its DDPStrategy replaces torch's). Ours keeps our
+    text (parameter, rank, fix) and contains Lightning's, in our names -- users search for that sentence."""
+    results = run_distributed(unused_everywhere_job, 2, init_process_group=False, timeout=240)
+    for rank, messages in enumerate(results):
+        theirs, ours = messages["ddp"], messages["ddpx"]
+        sentence = (
+            "It looks like your LightningModule has parameters that were not used in producing the loss"
+        )
+        assert theirs.startswith(sentence)
+        in_our_names = theirs.replace(
+            "'ddp_find_unused_parameters_true'", "'ddpx_find_unused_parameters_true'"
+        )
+        in_our_names = in_our_names.replace("DDPStrategy(", "DDPXStrategy(")
+        assert in_our_names in ours
+        assert f"on rank {rank}, parameter(s) 'extra.weight', 'extra.bias'" in ours  # ours, kept
+
+
 def test_spawn_name_trains_from_the_main_process(tmp_path, monkeypatch):
     """``ddpx_spawn``: Lightning itself starts the 2 processes (start_method="spawn")."""
     import lightning_ddpx.lightning.strategy  # noqa: F401 - registers the names
@@ -147,3 +188,34 @@ def test_spawn_name_trains_from_the_main_process(tmp_path, monkeypatch):
     assert type(trainer.strategy).__name__ == "DDPXStrategy" and trainer.strategy._start_method == "spawn"
     after = parameters_of(model)  # Lightning copies rank 0's trained weights back into this process
     assert all(not torch.equal(after[k], before[k]) for k in before)
+
+
+def test_notebook_names_fork_and_train_like_lightnings_in_an_interactive_session(tmp_path):
+    """``ddpx_notebook`` (what Jupyter and Colab users select; ``ddpx_fork`` is the same) forks 2 real CPU
+    processes from an interactive session, as Lightning's ``ddp_notebook`` does, and trains to the same
+    weights, with the Trainer and with Fabric; training again in the same session works too; ``ddpx`` is
+    refused there, as ``ddp`` is."""
+    import sys
+
+    from tests.dist_utils import run_job
+
+    out = tmp_path / "notebook.pt"
+    done = run_job([sys.executable, "-m", "tests.notebook_job", str(out)], timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = torch.load(out, weights_only=False)
+    assert result["interactive"] is True
+    theirs = result["ddp_notebook"]
+    for label in ("ddpx_notebook", "ddpx_notebook again"):
+        ours = result[label]
+        assert ours["class"] == "DDPXStrategy" and ours["start_method"] == theirs["start_method"] == "fork"
+        for key, value in theirs["params"].items():  # rank 0's weights, copied back into the session
+            assert not torch.equal(ours["params"][key], result["initial"][key]), (
+                f"{label} did not train {key}"
+            )
+            torch.testing.assert_close(ours["params"][key], value, rtol=0, atol=1e-6)
+    theirs, ours = result["fabric ddp_notebook"], result["fabric ddpx_notebook"]
+    assert ours["class"] == "DDPXStrategy"
+    for key, value in theirs["params"].items():  # Fabric: rank 0's return value, from the forked process
+        torch.testing.assert_close(torch.tensor(ours["params"][key]), torch.tensor(value), rtol=0, atol=1e-6)
+    assert result["threads"] == []  # the session itself runs no lightning_ddpx thread
+    assert "is not compatible with an interactive environment" in result["ddpx"]

@@ -9,11 +9,14 @@ import typing
 
 import pytest
 import torch
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 from lightning_ddpx import DDPXStrategy, checkpoint_state
 from lightning_ddpx.hooks import PowerSGDOptions
 from lightning_ddpx.lightning.checkpoint_state import Restore, check_plain, select_for_rank
+from lightning_ddpx.lightning.fabric import DDPXStrategy as FabricDDPXStrategy
 from tests.dist_utils import run_job
 
 
@@ -105,35 +108,66 @@ def test_hook_names_identify_hook_and_wrapper():
 
 
 # ------------------------------------------------------------------------------------------ registry
-@pytest.mark.parametrize(
-    "name, expected",
-    [
-        ("ddpx", {"_start_method": "popen", "comm_hook": None, "find_unused_parameters": False}),
-        ("ddpx_spawn", {"_start_method": "spawn"}),
-        ("ddpx_find_unused_parameters_true", {"find_unused_parameters": True}),
-        ("ddpx_fp16", {"comm_hook": "fp16"}),
-        ("ddpx_powersgd", {"comm_hook": "powersgd"}),
-    ],
-)
-def test_registered_names_build_our_strategy(name, expected):
-    strategy = StrategyRegistry.get(name)
-    assert type(strategy) is DDPXStrategy
-    for attribute, value in expected.items():
-        assert getattr(strategy, attribute) == value
+HOOK_SHORTCUTS = {"ddpx_fp16": {"comm_hook": "fp16"}, "ddpx_powersgd": {"comm_hook": "powersgd"}}
+
+
+def lightning_ddp_names(registry) -> dict[str, dict]:
+    """Lightning's own DDP names in ``registry`` ("ddp", "ddp_fork", ...) and their ``init_params``."""
+    return {
+        name: entry["init_params"]
+        for name, entry in registry.items()
+        if entry["strategy"] in (DDPStrategy, FabricDDPStrategy)
+    }
+
+
+def ddpx_names(registry) -> dict[str, dict]:
+    return {name: entry["init_params"] for name, entry in registry.items() if name.startswith("ddpx")}
+
+
+@pytest.mark.parametrize("registry", [StrategyRegistry, STRATEGY_REGISTRY], ids=["Trainer", "Fabric"])
+def test_every_lightning_ddp_name_has_its_ddpx_twin_with_the_same_init_params(registry):
+    """Oracle: Lightning's registry. Each "ddp..." name is registered as "ddpx..." with the same arguments
+    (start_method, find_unused_parameters); ours add only the hook shortcuts."""
+    theirs = lightning_ddp_names(registry)
+    assert {"ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "ddp_find_unused_parameters_true"} <= set(theirs)
+    expected = {"ddpx" + name[3:]: params for name, params in theirs.items()} | HOOK_SHORTCUTS
+    assert ddpx_names(registry) == expected
+    ours = FabricDDPXStrategy if registry is STRATEGY_REGISTRY else DDPXStrategy
+    assert all(registry[name]["strategy"] is ours for name in expected)
+
+
+@pytest.mark.parametrize("name", sorted(ddpx_names(StrategyRegistry)))
+def test_registered_names_build_our_strategy_as_lightning_builds_its_own(name):
+    ours = StrategyRegistry.get(name)
+    assert type(ours) is DDPXStrategy
+    if name in HOOK_SHORTCUTS:
+        assert ours.comm_hook == HOOK_SHORTCUTS[name]["comm_hook"] and ours._start_method == "popen"
+        return
+    theirs = StrategyRegistry.get("ddp" + name[4:])
+    assert type(theirs) is DDPStrategy
+    assert ours._start_method == theirs._start_method
+    assert ours.find_unused_parameters == theirs._ddp_kwargs.get("find_unused_parameters", False)
+    assert ours._ddp_kwargs == theirs._ddp_kwargs  # where Lightning keeps torch DDP's arguments
+    assert ours.comm_hook is None
 
 
 def test_import_lightning_ddpx_registers_the_names():
     code = (
         "import lightning_ddpx\n"
         "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "from lightning.fabric.strategies import STRATEGY_REGISTRY\n"
         "print(sorted(n for n in StrategyRegistry if n.startswith('ddpx')))\n"
+        "print(sorted(n for n in STRATEGY_REGISTRY if n.startswith('ddpx')))\n"
         "print(lightning_ddpx.DDPXStrategy.__module__)\n"
     )
     done = run_job([sys.executable, "-c", code], timeout=120)
     assert done.returncode == 0, done.stderr
     output = done.stdout.splitlines()
-    names = ["ddpx", "ddpx_find_unused_parameters_true", "ddpx_fp16", "ddpx_powersgd", "ddpx_spawn"]
-    assert output == [repr(names), "lightning_ddpx.lightning.strategy"]
+    assert output == [
+        repr(sorted(ddpx_names(StrategyRegistry))),
+        repr(sorted(ddpx_names(STRATEGY_REGISTRY))),
+        "lightning_ddpx.lightning.strategy",
+    ]
 
 
 def test_registering_again_is_harmless():

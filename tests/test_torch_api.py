@@ -437,3 +437,24 @@ def test_the_strategies_pass_device_ids_as_lightnings_ddp() -> None:
         assert ddp_device_ids(device) == fabric_ddp._determine_ddp_device_ids()
     with one_rank_group():
         assert DDPXConfig().wrap(nn.Linear(3, 2), device_ids=None).device_ids is None
+
+
+def ignored_pass_verification(rank: int, world_size: int) -> list[str]:
+    model = OUR_DDP(with_ignored_tensors(), bucket_cap_mb=0.004)
+    report = model.verify_replicas(buffers=True)  # 3.weight and 1.running_mean differ on purpose
+    with torch.no_grad():
+        model.module[0].weight[0, 0].add_(float(rank))  # a synchronised parameter diverges on rank 1
+    try:
+        model.verify_replicas()
+    except lightning_ddpx.ReplicaMismatchError as error:
+        return [str(report.tensors), str(error)]
+    return [str(report.tensors), "no error"]
+
+
+@pytest.mark.slow
+def test_verify_replicas_leaves_torchs_ignored_tensors_out() -> None:
+    """Tensors on torch's ignore list differ across ranks by design: replica verification skips them and
+    still catches a synchronised parameter that diverges."""
+    for tensors, error in run_distributed(ignored_pass_verification, 2):
+        assert tensors == "7", tensors  # 6 parameters + 3 buffers, less the two ignored
+        assert "0.weight" in error and "ranks [1]" in error, error

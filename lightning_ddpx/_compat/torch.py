@@ -26,6 +26,7 @@ __all__ = [
     "foreach_add_",
     "foreach_copy_",
     "foreach_sub_",
+    "global_optimizer_hooks_once",
     "group_timeout",
     "innermost_backend",
     "inputs_to_device",
@@ -35,6 +36,7 @@ __all__ = [
     "profiler_enabled",
     "queue_backward_callback",
     "rank_not_in_group",
+    "sparse_nnz_bytes",
     "tracing_context",
 ]
 
@@ -54,6 +56,38 @@ profiler_enabled: Callable[[], bool] = torch.autograd._profiler_enabled
 foreach_copy_: Callable[..., Any] = torch._foreach_copy_
 foreach_add_: Callable[..., Any] = torch._foreach_add_
 foreach_sub_: Callable[..., Any] = torch._foreach_sub_
+
+
+def sparse_nnz_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of a sparse COO tensor's indices and values, also when it is not coalesced (the public
+    ``indices()``/``values()`` refuse that; reducing an embedding's gradient does not coalesce it first).
+    ``_indices``/``_values``: torch >= 0.4."""
+    indices, values = tensor._indices(), tensor._values()
+    return indices.numel() * indices.element_size() + values.numel() * values.element_size()
+
+
+@contextlib.contextmanager
+def global_optimizer_hooks_once(optimizer: Any) -> Iterator[None]:
+    """Run torch's global optimizer step hooks (``torch.optim.optimizer.register_optimizer_step_pre_hook`` /
+    ``_post_hook``: profilers, trackers) once for ``optimizer`` around the block -- pre hooks before it, post
+    hooks after it if it succeeds -- and silence them for the ``step()`` calls inside (the overlap steps an
+    optimizer in many pieces, each of which would fire them). The registries are private dicts. torch >= 2.0."""
+    from torch.optim import optimizer as optim_module
+
+    pre, post = optim_module._global_optimizer_pre_hooks, optim_module._global_optimizer_post_hooks
+    for hook in list(pre.values()):
+        hook(optimizer, (), {})
+    saved_pre, saved_post = dict(pre), dict(post)
+    pre.clear()
+    post.clear()
+    try:
+        yield
+    finally:
+        pre.update(saved_pre)  # hooks registered inside the block are kept too
+        post.update(saved_post)
+    for hook in list(post.values()):
+        hook(optimizer, (), {})
+
 
 # ------------------------------------------------------------------------------------------------- c10d
 # torch's Join context manager reads ``module._join_config``; a Joinable built outside torch's DDP must set

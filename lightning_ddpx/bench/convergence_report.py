@@ -21,6 +21,8 @@ _COLOURS = {  # fixed per contender, so the panels and the figures of both tasks
     "powersgd-r4-noef": "#543b7a",
     "batched-r2": "#2ca02c",
     "post-local-sgd": "#ff7f0e",
+    "diloco": "#17becf",
+    "streaming-diloco": "#e377c2",
 }
 
 
@@ -38,6 +40,9 @@ def render_convergence_table(rows: list[ConvergenceRow], metric: str, target: fl
             f"{r.step_ms:.0f}",
             opt(None if r.bytes_per_step is None else r.bytes_per_step / 1e6, ".3f"),
             opt(None if r.bytes_per_step_median is None else r.bytes_per_step_median / 1e6, ".3f"),
+            opt(r.bytes_vs_torch, ".1f"),
+            opt(None if r.bytes_to_target is None else r.bytes_to_target / 1e6, ".0f"),
+            opt(r.final_val_loss, ".4f"),
         ]
         for r in rows
     ]
@@ -51,6 +56,9 @@ def render_convergence_table(rows: list[ConvergenceRow], metric: str, target: fl
         "step ms",
         "MB/step mean",
         "median",
+        "x fewer B/step",
+        "MB to target",
+        "final val_loss",
     ]
     return format_table(header, body)
 

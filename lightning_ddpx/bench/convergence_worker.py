@@ -83,9 +83,11 @@ class CurveRecorder(Callback):
             self.bytes_sent.append(float(self.gradient_bytes))
         else:
             last = stats()
-            self.bytes_sent.append(
-                None if last is None or last.bytes_sent is None else float(last.bytes_sent)
+            sent = None if last is None or last.bytes_sent is None else float(last.bytes_sent)
+            extra = _parameter_exchange_bytes(
+                getattr(trainer.strategy, "comm_hook_state", None), self.gradient_bytes
             )
+            self.bytes_sent.append(None if sent is None else sent + extra)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._val_started = time.perf_counter()
@@ -108,18 +110,37 @@ class CurveRecorder(Callback):
             print(f"    step {point['step']:5d}  {point['time_s']:7.1f} s  {self.metric} {shown}", flush=True)
 
 
+def _parameter_exchange_bytes(state: Any, parameter_bytes: int) -> float:
+    """Bytes sent after this step's optimizer step, outside the gradient hook: DiLoCo's outer exchanges
+    (the state counts them) and post-local SGD's model average (the whole model, when the averager ran)."""
+    take_syncs = getattr(state, "take_syncs", None)
+    if callable(take_syncs):
+        return float(sum(sync.bytes_sent for sync in take_syncs()))
+    averager = getattr(state, "averager", None)
+    period = getattr(averager, "period", None)
+    if averager is not None and period is not None:
+        step = averager.step - 1  # the step the averager just counted
+        if step >= averager.warmup_steps and (step - averager.warmup_steps) % period == 0:
+            return float(parameter_bytes)
+    return 0.0
+
+
 def run(rank: int, config: dict[str, Any]) -> dict[str, Any]:
-    (contender,) = convergence_contenders_named([config["contender"]])
+    if "strategy" in config:
+        options = config["strategy"]
+    else:
+        (contender,) = convergence_contenders_named([config["contender"]])
+        options = contender.strategy
     seed_everything(config["seed"], verbose=False)
     module, datamodule = load_task(config["model"], config.get("datamodule"))
     gradient_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     recorder = CurveRecorder(config["metric"], gradient_bytes, verbose=rank == 0)
-    if contender.torch_ddp:
+    if options is None:  # torch's DDP
         strategy: Any = "ddp"
     else:
         from lightning_ddpx import DDPXStrategy
 
-        strategy = DDPXStrategy(**contender.strategy)
+        strategy = DDPXStrategy(**options)
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
@@ -148,7 +169,7 @@ def run(rank: int, config: dict[str, Any]) -> dict[str, Any]:
         )
     return {
         "rank": rank,
-        "contender": contender.name,
+        "contender": config["contender"],
         "time_s": recorder.time_s,
         "train_loss": recorder.train_loss,
         "bytes_sent": recorder.bytes_sent,

@@ -7,7 +7,7 @@ order after the first iteration), because a bucket can only be launched once all
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Hashable, Sequence
 
 import torch
@@ -31,6 +31,7 @@ class BucketSpec:
     numel: int  # total elements of the flat buffer
     dtype: torch.dtype
     device: torch.device
+    sparse: bool = False  # one parameter whose gradient is a sparse tensor (lightning_ddpx.engine.sparse)
 
     @property
     def num_bytes(self) -> int:
@@ -56,6 +57,7 @@ def plan_buckets(
     first_cap_bytes: int,
     cap_bytes: int,
     last_cap_bytes: int | None = None,
+    sparse: Sequence[bool] | None = None,
 ) -> list[BucketSpec]:
     """Group parameters into buckets along ``order``, by torch's rule (its C++
     ``compute_bucket_assignment_by_size``), so the same caps give the same buckets as torch's DDP.
@@ -72,6 +74,9 @@ def plan_buckets(
     ``last_cap_bytes`` (not torch's): the last bucket is split so that only its trailing parameters, the
     fewest reaching that size, stay in it. Used with ``overlap_optimizer_with``, whose update of the last
     bucket cannot hide behind any communication: on the benchmark MLP it shrinks from 2 layers to 1.
+
+    ``sparse[i]``: parameter ``i`` produces sparse gradients; it gets a bucket of its own, closed where it
+    comes in ``order`` (torch's rule), which does not count as the first bucket of its dtype.
     """
     if sorted(order) != list(range(len(numels))):
         raise ValueError(f"order must be a permutation of range({len(numels)}), got {list(order)!r}")
@@ -82,6 +87,9 @@ def plan_buckets(
     closed_count: dict[Hashable, int] = {}
     finished: list[list[int]] = []
     for index in order:
+        if sparse is not None and sparse[index]:
+            finished.append([index])
+            continue
         key = (dtypes[index], devices[index])
         members = open_buckets.setdefault(key, [])
         members.append(index)
@@ -94,7 +102,10 @@ def plan_buckets(
     finished.extend(open_buckets.values())
     if last_cap_bytes is not None and finished:
         finished[-1:] = _split_tail(finished[-1], numels, dtypes, last_cap_bytes)
-    return [_spec(members, numels, dtypes, devices) for members in finished]
+    specs = [_spec(members, numels, dtypes, devices) for members in finished]
+    if sparse is not None:
+        specs = [replace(spec, sparse=True) if sparse[spec.param_indices[0]] else spec for spec in specs]
+    return specs
 
 
 def _split_tail(

@@ -2,7 +2,8 @@
 
 Both steps run once at construction. The check comes first and is cheap (one small all-gather of a
 digest); only when digests differ do ranks exchange full descriptions, so the error can name the first
-parameter that differs and what each rank holds.
+parameter that differs and what each rank holds. The all-gather also carries one integer of the caller's
+per rank (whether the rank can use shared memory), so that construction needs no collective for it.
 """
 
 from __future__ import annotations
@@ -41,19 +42,21 @@ def verify_same_parameters(
     named_parameters: Sequence[tuple[str, torch.nn.Parameter]],
     process_group: dist.ProcessGroup,
     device: torch.device,
-) -> None:
-    """Raise ``ValueError`` on every rank if ranks hold different parameters.
+    carry: int = 0,
+) -> list[int]:
+    """Raise ``ValueError`` on every rank if ranks hold different parameters; else return every rank's
+    ``carry`` (an integer that travels on the same all-gather, saving the caller a collective).
 
     Compares count, names, shapes, dtypes and ``requires_grad``; the message names the first parameter
     that differs and the value on each rank.
     """
     signatures = _signatures(named_parameters)
     world_size = dist.get_world_size(process_group)
-    mine = torch.tensor([_digest(signatures)], dtype=torch.int64, device=device)
+    mine = torch.tensor([_digest(signatures), carry], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(gathered, mine, group=process_group)
-    if all(int(d) == int(gathered[0]) for d in gathered):
-        return
+    if all(int(d[0]) == int(gathered[0][0]) for d in gathered):
+        return [int(d[1]) for d in gathered]
     everyone: list[list[ParameterSignature] | None] = [None] * world_size
     dist.all_gather_object(everyone, signatures, group=process_group)
     raise ValueError(describe_first_difference(everyone))  # type: ignore[arg-type]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import Sequence
 
@@ -43,7 +44,11 @@ PROGRESS_INTERVAL_S = 0.5  # store writes per rank at most this often (one TCP r
 _STORE_TIMEOUT_S = 1.0  # longest a store operation of the diagnosis may block
 _FINAL_GRACE_S = 1.0  # how long a failing rank waits for the other ranks' final records
 _KEY = "lightning_ddpx/progress/{rank}"
-_BOARDS: dict[int, ProgressBoard] = {}  # id(process group) -> the board of the latest module on it
+WRITER_THREAD_NAME = "lightning_ddpx-progress"
+_CLOSE_WAIT_S = 2 * _STORE_TIMEOUT_S  # longest wait for the writer at close: a write in flight is bounded
+_IDLE_EXIT_S = 10 * PROGRESS_INTERVAL_S  # the writer ends after this long without a record; restarts on one
+# id(process group) -> the board of the latest module on it; weak, so a collected module's board goes too
+_BOARDS: "weakref.WeakValueDictionary[int, ProgressBoard]" = weakref.WeakValueDictionary()
 
 
 def debug_enabled() -> bool:
@@ -73,8 +78,10 @@ class ProgressBoard:
         self._stamp = 0.0  # wall time of the record the writer thread writes next
         self._store = _store_of(process_group)
         self._wake = threading.Event()
-        self._writer: threading.Thread | None = None
+        self._writer: _Writer | None = None
+        self._writer_lock = threading.Lock()  # starting and idle-ending the writer
         self._closed = False
+        weakref.finalize(self, self._wake.set)  # a collected board ends its writer
         _BOARDS[id(process_group)] = self
 
     @property
@@ -91,17 +98,20 @@ class ProgressBoard:
         if self.debug or now - self._written_at >= PROGRESS_INTERVAL_S:
             self._written_at = now
             self._stamp = time.time()
-            if self._writer is None and self._store is not None:
-                self._writer = threading.Thread(
-                    target=self._serve, name="lightning_ddpx-progress", daemon=True
-                )
-                self._writer.start()
-                stop_at_exit(self, "lightning_ddpx-progress", 2 * _STORE_TIMEOUT_S)  # a write is bounded
-            self._wake.set()
+            with self._writer_lock:
+                if self._writer is None and self._store is not None and not self._closed:
+                    self._writer = _Writer(self)
+                    self._writer.start()
+                    stop_at_exit(self, WRITER_THREAD_NAME, _CLOSE_WAIT_S)
+                self._wake.set()
 
-    def close(self, timeout: float | None = None) -> bool:
-        """Stop the writer thread (the module is closed); with ``timeout``, wait that long for it to end.
-        Returns whether it has ended (always ``True`` without ``timeout``, which does not wait)."""
+    def close(self, timeout: float | None = _CLOSE_WAIT_S) -> bool:
+        """Stop the writer thread (the module is closed) and wait at most ``timeout`` s for it to end
+        (``None``: do not wait). Returns whether it has ended (always ``True`` with ``None``).
+
+        Waiting by default: a module closed at the end of training leaves no thread behind (a notebook or
+        test process that trains again would otherwise accumulate them); the wait is bounded, because
+        a write in flight is."""
         self._closed = True
         self._wake.set()
         writer = self._writer
@@ -110,13 +120,18 @@ class ProgressBoard:
         writer.join(timeout)
         return not writer.is_alive()
 
-    def _serve(self) -> None:
-        while True:
-            self._wake.wait()
-            self._wake.clear()
-            if self._closed or self._store is None:
-                return
-            self._write("P", self.last, self._stamp)
+    def _writer_done(self, writer: _Writer, idle: bool) -> bool:
+        """Whether ``writer`` ends now: the board is closed or has no store, it was stopped, or (``idle``)
+        no record woke it for ``_IDLE_EXIT_S``. An ending writer leaves its slot free for the next record."""
+        with self._writer_lock:
+            if idle and self._wake.is_set():  # a record came in just now: serve it
+                idle = False
+            done = idle or writer.stopping or self._closed or self._store is None
+            if done and self._writer is writer:
+                self._writer = None
+            if not done:
+                self._wake.clear()
+            return done
 
     def _write(self, kind: str, what: str, stamp: float) -> None:
         store = self._store
@@ -173,6 +188,35 @@ class ProgressBoard:
             + "; ".join(_describe_record(r, records.get(r)) for r in sorted(keys))
             + "."
         )
+
+
+class _Writer(threading.Thread):
+    """The thread that copies a board's record into the store when due. It holds the board weakly and
+    ends when the board is closed or collected, when idle for ``_IDLE_EXIT_S``, or on :meth:`stop`; the
+    next record due starts a new one. A daemon with a ``stop()`` method, as test fixtures that stop
+    left-over daemon threads (Lightning's) expect."""
+
+    def __init__(self, board: ProgressBoard) -> None:
+        super().__init__(name=WRITER_THREAD_NAME, daemon=True)
+        self._board = weakref.ref(board)
+        self._wake = board._wake
+        self.stopping = False
+
+    def run(self) -> None:
+        while True:
+            woke = self._wake.wait(_IDLE_EXIT_S)
+            board = self._board()
+            if board is None or board._writer_done(self, idle=not woke):
+                return
+            board._write("P", board.last, board._stamp)
+            del board  # hold the board only while writing
+
+    def stop(self, timeout: float = _CLOSE_WAIT_S) -> None:
+        """End this thread now (waiting at most ``timeout`` s); records due later start a new one."""
+        self.stopping = True
+        self._wake.set()
+        if self is not threading.current_thread():
+            self.join(timeout)
 
 
 def _describe_record(rank: int, record: str | None) -> str:

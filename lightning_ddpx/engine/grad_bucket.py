@@ -23,6 +23,8 @@ from typing import Callable, Sequence, TypeVar
 
 import torch
 
+from lightning_ddpx._compat.torch import sparse_nnz_bytes
+
 __all__ = [
     "GradBucket",
     "collectives_issued_on_call",
@@ -137,8 +139,15 @@ class GradBucket:
 
 
 def payload_bytes(*tensors: torch.Tensor) -> int:
-    """Bytes held by ``tensors``: what a collective over them sends, as counted in the statistics."""
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes held by ``tensors``: what a collective over them sends, as counted in the statistics (a sparse
+    tensor: its indices and values)."""
+    return sum(_payload_bytes(t) for t in tensors)
+
+
+def _payload_bytes(tensor: torch.Tensor) -> int:
+    if tensor.is_sparse:
+        return sparse_nnz_bytes(tensor)
+    return tensor.numel() * tensor.element_size()
 
 
 def record_bytes_sent(bucket: object, nbytes: int) -> None:

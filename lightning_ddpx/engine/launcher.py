@@ -29,6 +29,9 @@ Task = Callable[[], torch.futures.Future]
 
 # Seconds to wait for a communication thread to finish the tasks it holds when it is closed at exit.
 EXIT_JOIN_TIMEOUT_S = 10.0
+# Seconds ``close()`` waits by default: after a clean iteration nothing is pending and the thread ends at once;
+# a task stuck on a peer that is gone is not waited for longer.
+CLOSE_WAIT_S = 2.0
 
 
 def as_future(result: Any) -> torch.futures.Future:
@@ -90,10 +93,11 @@ class SequencedLauncher:
         self._queue.put((task, done))
         return done
 
-    def close(self, timeout: float | None = None) -> bool:
-        """Stop the thread after the tasks already submitted; with ``timeout``, wait that long for it.
+    def close(self, timeout: float | None = CLOSE_WAIT_S) -> bool:
+        """Stop the thread after the tasks already submitted; wait at most ``timeout`` s for it (``None``:
+        do not wait), so a module closed at the end of training leaves no thread behind.
 
-        Returns whether the thread has ended (always ``True`` without ``timeout``, which does not wait).
+        Returns whether the thread has ended (always ``True`` with ``None``).
         """
         self._finalizer()
         thread = self._thread

@@ -35,6 +35,10 @@ from lightning_ddpx.engine.optimizer_overlap import OptimizerOverlap
 from lightning_ddpx.engine.placement import DeviceLike, resolve_placement, side_stream_copies
 from lightning_ddpx.engine.profiling import label
 from lightning_ddpx.engine.reducer import CommHook, Phase, Reducer
+from lightning_ddpx.engine.replica_check import ReplicaReport, named_state, verify_replicas
+from lightning_ddpx.engine.shared_memory import local_obstacles
+from lightning_ddpx.engine.sparse import expects_sparse_gradients
+from lightning_ddpx.engine.trainable_set import TrainableSet
 
 __all__ = ["DistributedDataParallel", "NothingToSynchronise"]
 
@@ -163,14 +167,22 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._input_device = placement.input_device
         self.dim = dim
         _check_sync_batchnorm(module, self.device)
+        # Every rank's shared-memory obstacles (lightning_ddpx.engine.shared_memory), carried by the model check;
+        # without the check the reducer gathers them itself
+        self._shared_memory_obstacles: list[int] | None = None
         if init_sync:
             with waiting_for("every rank to describe its model (construction)", self.process_group):
-                verify_same_parameters(named, self.process_group, self.device)
+                self._shared_memory_obstacles = verify_same_parameters(
+                    named, self.process_group, self.device, local_obstacles(self.device.type == "cpu")
+                )
             with waiting_for("rank 0's parameters and buffers (construction)", self.process_group):
                 broadcast_from_rank0(
                     [p.detach() for _, p in named] + self._synced_buffers(), self.process_group
                 )
-        if not any(p.requires_grad for _, p in named):
+        # requires_grad may change later: followed at each synchronising forward
+        self._trainable = TrainableSet(named, unused_allowed=find_unused_parameters)
+        self._pending_layout: dict[str, Any] | None = None  # a loaded layout for parameters frozen now
+        if not self._trainable.trainable():
             raise NothingToSynchronise(
                 "lightning_ddpx.DistributedDataParallel: the module has no parameter with requires_grad=True, "
                 "so there is nothing to synchronise. Unfreeze at least one parameter or do not wrap it. "
@@ -183,7 +195,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
         Collective on two CPU ranks (it maps the shared-memory slots): every rank builds it at once.
         """
-        trainable = [(name, p) for name, p in self._synced_parameters() if p.requires_grad]
+        trainable = self._trainable.trainable()
         self._hook_registered = False
         self._settings_verified = False  # at the first synchronising forward, once the hook is registered
         return Reducer(
@@ -195,6 +207,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             find_unused_parameters=self.find_unused_parameters,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             static_graph=self.static_graph,
+            sparse_gradients=expects_sparse_gradients(self.module, [p for _, p in trainable]),
+            shared_memory_obstacles=self._shared_memory_obstacles,
         )
 
     def _synced_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -243,6 +257,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         state["_reducer"] = None
         state["_hook_registered"] = False
         state["_settings_verified"] = False
+        state["_shared_memory_obstacles"] = None  # the process that loads it has its own environment
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -326,6 +341,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             rebuild_src, buffers_src = self._announce_to_joined_ranks(will_sync, sync_buffers)
         if will_sync:
             self._verify_settings_once()
+            self._follow_trainable_changes()
         self.reducer.prepare_forward(will_sync, rebuild_src=rebuild_src)
         if sync_buffers:
             self._broadcast_buffers(buffers_src)
@@ -367,7 +383,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _broadcast_buffers(self, src: int = 0) -> None:
         # Looked up through the slots found at construction, as torch's DDP does, rather than walking every
-        # submodule each step (0.1-0.4 ms on models of hundreds of layers, most of which have no buffer);
+        # submodule each step (what that cost: docs/benchmarks.md, "Per-parameter cost");
         # looking each up by name still follows a buffer replaced by assignment (e.g. module.to()).
         buffers = self._synced_buffers()
         if buffers:
@@ -388,6 +404,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         backward should synchronise and calls this with its loss (used to find unused parameters).
         """
         self._verify_settings_once()
+        self._follow_trainable_changes()
         self.reducer.prepare_forward(will_sync=True)
         self.reducer.prepare_backward(outputs)
 
@@ -402,6 +419,74 @@ class DistributedDataParallel(nn.Module, Joinable):
             verify_same_settings(self.settings(), self.process_group, self.device)
         self._settings_verified = True
 
+    def _follow_trainable_changes(self) -> None:
+        """Before a synchronised backward: if ``requires_grad`` changed on some parameter since the reducer was
+        built, agree on the new set across ranks and reduce it from this backward on
+        (:mod:`lightning_ddpx.engine.trainable_set`). Without a change: one pass over the flags, no collective."""
+        if not self._trainable.changed() or self.reducer.phase is Phase.REDUCING:
+            return
+        step = self.reducer.iterations_synced
+        if self._join_config.enable:
+            raise RuntimeError(
+                f"lightning_ddpx (rank {self.rank}): requires_grad changed on some parameter inside join() "
+                f"(before synchronised step {step + 1}); ranks that already joined cannot take part in re-planning "
+                "the buckets. Freeze or unfreeze parameters before entering join() (e.g. at the start of an "
+                "epoch), or outside the uneven-inputs loop."
+            )
+        with waiting_for(
+            f"every rank to compare its trainable parameters (requires_grad changed before synchronised step "
+            f"{step + 1})",
+            self.process_group,
+        ):
+            trainable = self._trainable.agree(self.process_group, self.device, step)
+            params = [p for _, p in trainable]
+            self.reducer.adopt_params(
+                params, [name for name, _ in trainable], expects_sparse_gradients(self.module, params)
+            )
+        layout, self._pending_layout = self._pending_layout, None
+        if layout is not None and set(layout["parameter_order"]) == {name for name, _ in trainable}:
+            self.reducer.load_order_state(layout)  # a saved layout waiting for these parameters
+
+    def verify_replicas(
+        self,
+        *,
+        buffers: bool = False,
+        optimizer: torch.optim.Optimizer | None = None,
+        step: int | None = None,
+        what: str = "",
+    ) -> ReplicaReport:
+        """Collective: check that every rank holds bitwise the same parameters (and, if asked, buffers and
+        ``optimizer``'s state); raise :class:`~lightning_ddpx.engine.replica_check.ReplicaMismatchError` on
+        every rank, naming the first differing tensor and the ranks, if not.
+
+        Cheap (one pass over the bytes and one ``all_gather`` of a few integers: see
+        :mod:`lightning_ddpx.engine.replica_check`), so it can run every few hundred steps and before each
+        checkpoint. Call it on every rank at the same point, between iterations. ``step`` (default: the
+        synchronised steps so far) is compared too. Buffers are off by default: with ``broadcast_buffers``
+        the ranks' buffers differ between a forward and the next broadcast (e.g. BatchNorm statistics).
+        """
+        if self.reducer.phase is Phase.REDUCING:
+            raise RuntimeError(
+                f"lightning_ddpx (rank {self.rank}): verify_replicas was called while this rank's backward is "
+                "reducing gradients (from a gradient hook or a backward callback); its collective would interleave "
+                "with the buckets'. Call it between iterations, on every rank."
+            )
+        named = named_state(  # torch's ignore list: those differ across ranks on purpose
+            self._synced_parameters(),
+            [(n, b) for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
+            if buffers
+            else (),
+            optimizer,
+        )
+        with waiting_for("every rank's replica digest (verify_replicas)", self.process_group):
+            return verify_replicas(
+                named,
+                self.process_group,
+                self.synchronised_steps if step is None else step,
+                device=self.device,
+                what=what,
+            )
+
     def settings(self) -> dict[str, str]:
         """What must be equal on every rank, as text: reducer options, the comm hook and its options."""
         settings = {
@@ -413,6 +498,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             _qualified_name(self.reducer.hook) if self._hook_registered else "None (mean allreduce)"
         )
         settings["overlap_optimizer"] = repr(self.reducer.overlap is not None)  # it changes the bucket plan
+        # sparse embeddings get buckets of their own: a different sparse flag on one rank means other buckets
+        settings["sparse gradients"] = repr(
+            [name for name, sparse in zip(self.reducer.names, self.reducer.sparse_gradients) if sparse]
+        )
         if self._hook_registered:
             settings.update(_hook_state_settings(self.reducer.hook_state))
         return settings
@@ -573,7 +662,18 @@ class DistributedDataParallel(nn.Module, Joinable):
         return self.reducer.order_state()
 
     def load_reducer_state_dict(self, state: dict[str, Any]) -> None:
-        """Adopt a layout saved by :meth:`reducer_state_dict` (same parameters; every rank the same state)."""
+        """Adopt a layout saved by :meth:`reducer_state_dict` (same parameters; every rank the same state).
+
+        A fine-tuning run saved after unfreezing its backbone is resumed with the backbone frozen again until
+        the schedule unfreezes it: ``requires_grad`` changes are followed first, and a layout naming
+        parameters that are frozen now is kept and adopted when exactly its parameters are trainable (at the
+        forward that notices the change), so the resumed run reduces the saved buckets."""
+        self._follow_trainable_changes()
+        names = set(state["parameter_order"])
+        trainable = {name for name, _ in self._trainable.trainable()}
+        if names != trainable and names <= {name for name, _ in self._trainable.named}:
+            self._pending_layout = state  # frozen now: wait until they are trainable
+            return
         self.reducer.load_order_state(state)
 
     def bucket_plan(self) -> list[BucketInfo]:

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from lightning_ddpx._compat.torch import foreach_copy_
+from lightning_ddpx._compat.torch import foreach_copy_, global_optimizer_hooks_once
 from lightning_ddpx.engine.bucketing import chunk_ranges
 from lightning_ddpx.engine.errors import waiting_for
 from lightning_ddpx.engine.piecewise_step import PiecewiseStep, optimizer_view, steps_in_pieces
@@ -115,6 +115,38 @@ def check_overlappable(optimizer: Any, params: Sequence[torch.nn.Parameter], nam
         )
 
 
+def _live_grad_scalers() -> list[Any]:
+    """Enabled ``torch.amp.GradScaler`` instances (subclasses included) alive in this process.
+
+    Nothing tells a backward that its loss was scaled, so the instances are looked up through the garbage
+    collector's referrers of their classes: one scan of the tracked objects (tens of milliseconds), run once
+    per overlap, before its first update."""
+    import gc
+
+    classes, todo = [], [torch.amp.GradScaler]
+    while todo:
+        klass = todo.pop()
+        classes.append(klass)
+        todo.extend(klass.__subclasses__())
+    found = [obj for obj in gc.get_referrers(*classes) if isinstance(obj, torch.amp.GradScaler)]
+    return [scaler for scaler in found if scaler.is_enabled()]
+
+
+def refuse_grad_scaler(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse the overlap while an enabled GradScaler exists: its gradients are scaled until
+    ``scaler.step`` unscales them and checks for inf/NaN, which needs every gradient before any update."""
+    scalers = _live_grad_scalers()
+    if scalers:
+        raise RuntimeError(
+            f"lightning_ddpx: overlap_optimizer_with({type(optimizer).__name__}) and an enabled "
+            f"torch.amp.GradScaler ({len(scalers)} alive) do not go together: the overlap updates each bucket "
+            "inside backward, from gradients the scaler has scaled and not yet checked for inf/NaN (the update "
+            "would be scale times too large). Nothing was updated. Use the plain step "
+            "(model.overlap_optimizer_with(None), then scaler.step(optimizer)), bfloat16 autocast without a "
+            "scaler, or GradScaler(enabled=False)."
+        )
+
+
 class OptimizerOverlap:
     """Writes back and steps bucket by bucket at the end of a synchronised backward (installed on a reducer).
 
@@ -137,6 +169,7 @@ class OptimizerOverlap:
         self._plan_key: tuple[Any, ...] | None = None
         self._bucket_groups: list[list[tuple[int, list[torch.nn.Parameter]]]] = []
         self._guard = optimizer.register_step_pre_hook(self._refuse_second_step)
+        self._scaler_checked = False  # refuse_grad_scaler runs once, before the first overlapped step
 
     def close(self) -> None:
         """Stop guarding the optimizer's own ``step()`` (the overlap was removed or replaced)."""
@@ -153,7 +186,9 @@ class OptimizerOverlap:
                 f"lightning_ddpx: {type(optimizer).__name__}.step() was called after a synchronised backward "
                 "that already stepped it bucket by bucket (overlap_optimizer_with): a second step would apply "
                 "the update twice. Remove the optimizer.step() call after backward (the Lightning strategies "
-                "do this for you), or call model.overlap_optimizer_with(None) to step yourself."
+                "do this for you), or call model.overlap_optimizer_with(None) to step yourself. With a "
+                "torch.amp.GradScaler (scaler.step(optimizer) calls step()): the overlap cannot scale "
+                "gradients, and the update in backward used scaled gradients; use the plain step."
             )
 
     # ------------------------------------------------------------------------------------ the plan
@@ -185,8 +220,16 @@ class OptimizerOverlap:
         """The end of a synchronised backward with overlap; returns the seconds spent waiting for results.
 
         ``globally_used``: the used-parameter bitmap's future when this iteration shares one (find_unused /
-        static graph's first iteration), else ``None``.
+        static graph's first iteration), else ``None``. torch's global optimizer step hooks fire once for the
+        whole step, not once per bucket or slice.
         """
+        if not self._scaler_checked:
+            refuse_grad_scaler(self.optimizer)  # before any update: the gradients may be scaled
+            self._scaler_checked = True
+        with global_optimizer_hooks_once(self.optimizer):
+            return self._write_back_and_step(globally_used)
+
+    def _write_back_and_step(self, globally_used: torch.futures.Future | None) -> float:
         reducer = self.reducer
         plan, view, groups = self._groups_per_bucket(), self._view(), self.optimizer.param_groups
         known_counts = reducer.static.globally_used if reducer.static is not None else None

@@ -59,7 +59,9 @@ def steps_in_pieces(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> bo
     if base not in _elementwise_classes():
         return False
     grad = param.grad
-    if grad is None or not param.is_contiguous() or not grad.is_contiguous() or grad.shape != param.shape:
+    if grad is None or grad.layout != torch.strided:  # a sparse gradient steps whole
+        return False
+    if not param.is_contiguous() or not grad.is_contiguous() or grad.shape != param.shape:
         return False
     state = optimizer.state.get(param)
     if not state:

@@ -37,7 +37,14 @@ from lightning_ddpx.engine.grad_bucket import (
 from lightning_ddpx.engine.graph import reachable_parameter_indices
 from lightning_ddpx.engine.launcher import InlineLauncher, SequencedLauncher
 from lightning_ddpx.engine.profiling import label
-from lightning_ddpx.engine.shared_memory import SharedMemoryExchange, open_exchange
+from lightning_ddpx.engine.shared_memory import (
+    SharedMemoryExchange,
+    gather_obstacles,
+    local_obstacles,
+    obstacles_refusal,
+    open_exchange,
+)
+from lightning_ddpx.engine.sparse import empty_sparse_like, sparse_refusal
 from lightning_ddpx.engine.static_graph import StaticGraph
 
 __all__ = ["Reducer"]
@@ -55,8 +62,8 @@ def _sum_allreduce_hook(process_group: dist.ProcessGroup, bucket: GradBucket) ->
 
 # Two ranks on the CPU: a bucket this large or larger is reduced as two all-reduces of its halves, issued
 # together. gloo runs concurrent collectives on its worker threads (two per process group by default), so
-# the halves travel in parallel: 0.78-0.92x the time of one all-reduce at 4-16.8 MB, not at 1-2 MB
-# (benchmarks/bench_collectives.py, docs/benchmarks.md).
+# the halves travel in parallel: faster than one all-reduce from 4 MB on, not at 1-2 MB (figures:
+# docs/benchmarks.md, "Large buckets in halves"; benchmarks/bench_collectives.py).
 _HALVES_MIN_BYTES = 4 * 1024 * 1024
 
 
@@ -101,10 +108,11 @@ class _Bucket:
     def __init__(self, spec: BucketSpec, params: Sequence[torch.nn.Parameter], names: Sequence[str]) -> None:
         self.spec = spec
         self.names = tuple(names[i] for i in spec.param_indices)
-        self.buffer = torch.zeros(spec.numel, dtype=spec.dtype, device=spec.device)
-        self.nbytes = self.buffer.numel() * self.buffer.element_size()
         self.params = [params[i] for i in spec.param_indices]
-        self.views = _param_views(self.buffer, spec, self.params)
+        # A sparse gradient is reduced as it is (lightning_ddpx.engine.sparse): no flat buffer, no views.
+        self.buffer = torch.zeros(0 if spec.sparse else spec.numel, dtype=spec.dtype, device=spec.device)
+        self.nbytes = self.buffer.numel() * self.buffer.element_size()
+        self.views = [] if spec.sparse else _param_views(self.buffer, spec, self.params)
         # Large gradients on average: scale while copying, one fused multiply per parameter (see above).
         self.fused_scale = spec.numel >= _FUSED_SCALE_MIN_AVERAGE_NUMEL * len(self.params)
         # two CPU ranks, shared memory: per generation, this rank's slot and views into it like ``views``
@@ -124,8 +132,12 @@ class Reducer:
         find_unused_parameters: bool,
         gradient_as_bucket_view: bool,
         static_graph: bool = False,
+        sparse_gradients: Sequence[bool] | None = None,
+        shared_memory_obstacles: Sequence[int] | None = None,
     ) -> None:
         self.params = list(params)
+        # parameters whose gradients are sparse (embeddings with sparse=True): each in a bucket of its own
+        self.sparse_gradients = list(sparse_gradients or [False] * len(self.params))
         self.names = list(names)
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
@@ -145,6 +157,7 @@ class Reducer:
         self.hook_state: Any = process_group
         self._hook_name = _hook_name(self.hook)  # for progress records and errors
         self._scale_on_copy: float | None = 1.0 / self.world_size  # only for the default hook
+        self._divisor = self.world_size  # ... and for sparse gradients, divided as torch's reducer does
         self._launcher: InlineLauncher | SequencedLauncher = InlineLauncher()
         # overlap_optimizer_with: writes back and steps bucket by bucket in _finalize (engine.optimizer_overlap)
         self.overlap: Any = None  # set through set_overlap: the bucket plan depends on it
@@ -156,7 +169,11 @@ class Reducer:
         self.split_large_buckets = True
         # Two CPU ranks on one machine, default path: sum buckets through shared memory instead of gloo's
         # loopback (lightning_ddpx.engine.shared_memory); off only to measure what that gains (set it alike on
-        # every rank: the collectives differ)
+        # every rank: the collectives differ). Every rank's local_obstacles, when a collective at construction
+        # already carried them (the module's model check); None: the set-up gathers them itself.
+        self._shared_memory_obstacles = (
+            None if shared_memory_obstacles is None else list(shared_memory_obstacles)
+        )
         exchange, refusal = self._open_shared_memory()
         self.shared_memory: SharedMemoryExchange | None = exchange
         self.shared_memory_refusal: str | None = refusal  # why not, when shared memory is not set up
@@ -183,6 +200,11 @@ class Reducer:
         # Synchronising forwards and reductions so far, shadowed ones (join) included: DDPX_DEBUG compares them.
         self._forwards_armed = 0
         self._reductions = 0
+        # Parameters that received a gradient on this rank since the last synchronised backward, no_sync()
+        # backwards included (torch's local_used_map): the bitmap find_unused_parameters shares, so that a
+        # gradient accumulated only in a no_sync() micro-batch is still averaged. Reset after each
+        # synchronised backward only; indexed by parameter, so bucket rebuilds keep it.
+        self._locally_used = bytearray(len(self.params))
         self._install_plan(list(reversed(range(len(self.params)))))
         self._handles = [
             p.register_post_accumulate_grad_hook(self._make_grad_hook(i)) for i, p in enumerate(self.params)
@@ -196,6 +218,7 @@ class Reducer:
             self.first_cap_bytes, self.cap_bytes,
             # the overlap cannot hide the last bucket's update: keep that bucket small (plan_buckets)
             self.first_cap_bytes if self.overlap is not None else None,
+            self.sparse_gradients if any(self.sparse_gradients) else None,
         )  # fmt: skip
         self.buckets = [_Bucket(spec, self.params, self.names) for spec in specs]
         self._last_bucket_chunks = self._plan_last_bucket_chunks()
@@ -213,23 +236,39 @@ class Reducer:
         self._reset_iteration()
 
     def _open_shared_memory(self) -> tuple[SharedMemoryExchange | None, str | None]:
-        """Two gloo ranks with CPU parameters: map the shared-memory slots (collective; none on every rank
-        when they are on different machines or any rank cannot). Returns the exchange, or why not."""
+        """Two gloo ranks with CPU parameters: map the shared-memory slots (none on every rank when any rank
+        cannot take part). Returns the exchange, or why not.
+
+        No collective when every rank knows alike that shared memory is out (world size, backend) or when
+        the ranks' obstacles, already gathered, rule it out (``DDPX_SHARED_MEMORY=0`` on any rank...);
+        otherwise collective (:mod:`lightning_ddpx.engine.shared_memory`, "Set-up")."""
         backend = dist.get_backend(self.process_group)
         if self.world_size != 2:
             return (
                 None,
                 f"{self.world_size} ranks: shared memory serves two (more would not sum like gloo's ring)",
             )
-        if not all(p.device.type == "cpu" for p in self.params) or backend != "gloo":
-            return None, f"parameters not all on the CPU, or backend {backend!r} rather than gloo"
-        return open_exchange(self.process_group, [p.numel() * p.element_size() for p in self.params])
+        if backend != "gloo":
+            return None, f"backend {backend!r} rather than gloo"
+        if self._shared_memory_obstacles is None:  # built without the model check that carries them
+            on_cpu = all(p.device.type == "cpu" for p in self.params)
+            with waiting_for("the other rank to say whether it can use shared memory", self.process_group):
+                self._shared_memory_obstacles = gather_obstacles(self.process_group, local_obstacles(on_cpu))
+        refusal = obstacles_refusal(self._shared_memory_obstacles, dist.get_rank(self.process_group))
+        if refusal is not None:
+            return None, refusal
+        sizes = [
+            0 if sparse else p.numel() * p.element_size()
+            for p, sparse in zip(self.params, self.sparse_gradients)
+        ]
+        with waiting_for("the other rank to map the shared-memory slots", self.process_group):
+            return open_exchange(self.process_group, sizes)
 
     def _plan_last_bucket_chunks(self) -> list[tuple[int, int]] | None:
         """With the overlap, on the CPU: the element ranges in which the default path reduces the last
         bucket, one collective each, so that its update can start before all of it is reduced (see
         :mod:`lightning_ddpx.engine.piecewise_step`); ``None`` to reduce it in one piece."""
-        if self.overlap is None or self._on_cuda or not self.buckets:
+        if self.overlap is None or self._on_cuda or not self.buckets or self.buckets[-1].spec.sparse:
             return None  # CUDA: not measured (no GPU here), so not enabled
         spec = self.buckets[-1].spec
         numels = [self.params[i].numel() for i in spec.param_indices]
@@ -263,7 +302,6 @@ class Reducer:
         self._pending = [len(bucket.params) for bucket in self.buckets]
         self._unused_in_bucket = [0] * count
         self._ready = bytearray(len(self.params))
-        self._locally_used = bytearray(len(self.params))
         self._next_launch = 0
         self._futures: list[torch.futures.Future | None] = [None] * count
         # (start, end, future) of each collective when the last bucket is reduced in chunks
@@ -284,6 +322,7 @@ class Reducer:
 
     # ------------------------------------------------------------------------------------ comm hook
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        self._refuse_dense_only_hook(hook)
         self.hook, self.hook_state = hook, state
         self._hook_name = _hook_name(hook)
         self._scale_on_copy = None  # a registered hook sees the plain local gradients
@@ -314,6 +353,17 @@ class Reducer:
         """Buckets will be re-planned at the next synchronising forward (after the first backward)."""
         return self._rebuild_pending
 
+    def _refuse_dense_only_hook(self, hook: CommHook) -> None:
+        sparse = [name for name, flag in zip(self.names, self.sparse_gradients) if flag]
+        refusal = sparse_refusal(hook) if sparse else None
+        if refusal is not None:
+            raise ValueError(
+                f"lightning_ddpx: the communication hook {_hook_name(hook)} cannot reduce sparse gradients "
+                f"({refusal}), and parameter(s) {sparse} produce them (nn.Embedding/nn.EmbeddingBag with "
+                "sparse=True). Register no hook (the default averages sparse gradients with a sparse "
+                "all-reduce) or the allreduce hook, or build those layers with sparse=False."
+            )
+
     def set_divisor(self, count: int) -> None:
         """Average over ``count`` ranks from now on (default path only: a registered hook divides itself).
 
@@ -321,6 +371,7 @@ class Reducer:
         """
         if self._scale_on_copy is not None:
             self._scale_on_copy = 1.0 / count
+            self._divisor = count
 
     # ----------------------------------------------------------------------------------- uneven inputs
     def rebuild_buckets_from(self, src: int) -> None:
@@ -352,8 +403,11 @@ class Reducer:
             self.shared_memory.next_generation()  # as the active ranks do when their backward starts
         with label("lightning_ddpx::join_shadow"):
             for b, bucket in enumerate(self.buckets):
-                zeros = torch.zeros_like(bucket.buffer)
-                views = _param_views(zeros, bucket.spec, bucket.params)
+                if bucket.spec.sparse:
+                    zeros, views = empty_sparse_like(bucket.params[0]), []
+                else:
+                    zeros = torch.zeros_like(bucket.buffer)
+                    views = _param_views(zeros, bucket.spec, bucket.params)
                 grad_bucket = GradBucket(
                     b, zeros, views, bucket.params, b == len(self.buckets) - 1, names=bucket.names
                 )
@@ -425,6 +479,11 @@ class Reducer:
                 if self.phase is idle:
                     if self._synced_since_forward:
                         raise RuntimeError(self._backward_after_sync_message(index))
+                    self._locally_used[index] = 1  # accumulating (no_sync): averaged at the next sync
+                    if self.static is not None and self.static.unused_everywhere(index):
+                        raise RuntimeError(
+                            self.static.accumulated_message(index, dist.get_rank(self.process_group))
+                        )
                     return
                 self._begin_reduction()
             if self.static is not None and not self.static.on_gradient(index):
@@ -468,7 +527,9 @@ class Reducer:
                 self._note_cuda_gradient(index, b)
         else:
             self._unused_in_bucket[b] += 1
-            if self.gradient_as_bucket_view:
+            if self._on_cuda:  # a gradient kept from earlier backwards is copied on the launch stream
+                self._grad_streams[index] = None
+            if self.gradient_as_bucket_view and not self.buckets[b].spec.sparse:
                 self._detach_unused_view(index, b)
         pending = self._pending
         left = pending[b] - 1
@@ -481,7 +542,7 @@ class Reducer:
         that stream now (the tensor autograd made is freed right after, so the copy must not outlive it on
         another stream). On the CPU, views adopt their gradients in one batched copy at launch instead."""
         self._grad_streams[index] = torch.cuda.current_stream(self.params[index].device)
-        if self.gradient_as_bucket_view:
+        if self.gradient_as_bucket_view and not self.buckets[b].spec.sparse:
             param = self.params[index]
             view = self.buckets[b].views[self._position_of[index]]
             if param.grad is not view:
@@ -504,17 +565,28 @@ class Reducer:
             return  # gradients kept between steps (zero_grad(set_to_none=False)) were accumulated in place
         if len(stale) < len(grads):
             params, views, grads = ([items[k] for k in stale] for items in (params, views, grads))
-        foreach_copy_(views, grads)
+        try:
+            foreach_copy_(views, grads)
+        except RuntimeError:
+            self._refuse_unexpected_sparse(bucket)
+            raise
         for param, view in zip(params, views):
             param.grad = view
 
     def _detach_unused_view(self, index: int, b: int) -> None:
-        """An unused parameter contributes zero; its own ``grad`` keeps its value (a private copy)."""
+        """A parameter this backward did not reach contributes the gradient it holds (accumulated in
+        ``no_sync()`` micro-batches, or kept from earlier steps), or zero if it holds none, as in torch.
+        Its own ``grad`` becomes a private copy until the end of backward, so that it keeps its value if
+        no rank used the parameter (see :meth:`_write_back_bucket`)."""
         param = self.params[index]
         view = self.buckets[b].views[self._position_of[index]]
-        if param.grad is view:
+        grad = param.grad
+        if grad is None:
+            view.zero_()
+        elif grad is view:
             param.grad = view.clone()
-        view.zero_()
+        else:
+            view.copy_(grad)
 
     def _launch_ready_buckets(self) -> None:
         while self._next_launch < len(self.buckets) and self._pending[self._next_launch] == 0:
@@ -528,7 +600,12 @@ class Reducer:
             others = self._other_producing_streams(bucket, stream)
             self._launch_streams[b] = stream
             hook = self._hook_for(b)
-            if not self.gradient_as_bucket_view:
+            buffer, views, nbytes = bucket.buffer, bucket.views, bucket.nbytes
+            if bucket.spec.sparse:
+                wait_streams(stream, others)
+                buffer, views = self._sparse_contribution(bucket), []
+                nbytes = payload_bytes(buffer)
+            elif not self.gradient_as_bucket_view:
                 if others:
                     self._copy_on_producing_streams(b, bucket, self._scale_on_copy, stream)
                 elif (
@@ -548,17 +625,36 @@ class Reducer:
                     bucket.buffer.mul_(self._scale_on_copy)
             sent_log = self._sent_log if self.collect_stats else None
             grad_bucket = GradBucket(
-                b, bucket.buffer, bucket.views, bucket.params, b == len(self.buckets) - 1, sent_log,
-                names=bucket.names,
+                b, buffer, views, bucket.params, b == len(self.buckets) - 1, sent_log, names=bucket.names
             )  # fmt: skip
             self.progress.record(
                 "bucket {} of {} ({}) in iteration {}", b, len(self.buckets), self._hook_name,
                 self.iterations_synced + 1,
             )  # fmt: skip
-            call = on_stream(stream, self._hook_call(hook, grad_bucket, bucket.nbytes))  # also on comm thread
+            call = on_stream(stream, self._hook_call(hook, grad_bucket, nbytes))  # also on comm thread
             if self.progress.debug:
                 call = self._checked(call, b, (self._forwards_armed, self._reductions + 1))
             self._futures[b] = self._launcher.submit(call)
+
+    def _sparse_contribution(self, bucket: _Bucket) -> torch.Tensor:
+        """What this rank hands the hook for a sparse bucket: the gradient itself, as torch does (divided by
+        the world size on the default path, into a new tensor), an empty one if it holds none, or a copy
+        if it was kept from earlier steps (so that it stays untouched if no rank used the parameter)."""
+        index, param = bucket.spec.param_indices[0], bucket.params[0]
+        grad = param.grad
+        if grad is None:
+            contribution = empty_sparse_like(param)
+        elif not grad.is_sparse:
+            raise RuntimeError(
+                f"lightning_ddpx: parameter {self.names[index]!r} belongs to an embedding built with "
+                f"sparse=True, so it was given a sparse bucket, but its gradient is {grad.layout}. Set the "
+                "layer's sparse flag before wrapping the module and leave it unchanged afterwards."
+            )
+        else:
+            contribution = grad if self._locally_used[index] else grad.clone()
+        if self._scale_on_copy is not None:
+            contribution = contribution.div(self._divisor)
+        return contribution
 
     def _checked(
         self, call: Callable[[], torch.futures.Future], b: int, counters: tuple[int, int]
@@ -578,16 +674,18 @@ class Reducer:
         """CUDA: streams other than ``stream`` that produced gradients of this bucket (usually none)."""
         if stream is None:
             return []
-        used, streams = self._locally_used, self._grad_streams
-        return [streams[i] for i in bucket.spec.param_indices if used[i] and streams[i] != stream]
+        streams = self._grad_streams  # None for parameters this backward did not reach
+        return [
+            streams[i] for i in bucket.spec.param_indices if streams[i] is not None and streams[i] != stream
+        ]
 
     @torch.no_grad()
     def _copy_on_producing_streams(self, b: int, bucket: _Bucket, scale: float | None, stream: Any) -> None:
         """CUDA, gradients from several streams: copy each on the stream that produced it, then make the
         launch stream wait for those streams (GPU events, no host synchronisation)."""
-        used, producers = self._locally_used, []
+        producers = []
         for index, param, view in zip(bucket.spec.param_indices, bucket.params, bucket.views):
-            if not used[index]:
+            if param.grad is None:
                 view.zero_()
                 continue
             producer = self._grad_streams[index]
@@ -602,6 +700,8 @@ class Reducer:
     def _hook_for(self, b: int) -> CommHook:
         """The hook that reduces bucket ``b``: the registered one, or the default path's (in chunks for the
         last bucket under the overlap)."""
+        if self.buckets[b].spec.sparse:
+            return self.hook  # the default: a sparse sum-allreduce of the pre-divided gradient
         if b == len(self.buckets) - 1 and self.reduces_last_bucket_in_chunks:
             return self._sum_allreduce_in_chunks
         if self.shared_memory is not None and self.reduces_through_shared_memory:
@@ -719,22 +819,38 @@ class Reducer:
         target: tuple[torch.Tensor, list[torch.Tensor]] | None = None,
     ) -> None:
         """Fill the bucket (or ``target``: a flat buffer laid out like it, and its per-parameter views) from
-        ``param.grad`` (zero for locally unused parameters), times ``scale`` if given."""
+        ``param.grad`` (zero for parameters holding none), times ``scale`` if given."""
         buffer, views = target if target is not None else (bucket.buffer, bucket.views)
         fused = scale is not None and bucket.fused_scale
-        if self._unused_in_bucket[b] == 0 and not fused:
-            foreach_copy_(views, [p.grad for p in bucket.params])
-            if scale is not None:
-                buffer.mul_(scale)
-            return
-        used = self._locally_used
-        for index, param, view in zip(bucket.spec.param_indices, bucket.params, views):
-            if not used[index]:
-                view.zero_()
-            elif scale is None:
-                view.copy_(param.grad)
-            else:
-                torch.mul(param.grad, scale, out=view)
+        try:
+            if self._unused_in_bucket[b] == 0 and not fused:
+                foreach_copy_(views, [p.grad for p in bucket.params])
+                if scale is not None:
+                    buffer.mul_(scale)
+                return
+            for param, view in zip(bucket.params, views):
+                if param.grad is None:
+                    view.zero_()
+                elif scale is None:
+                    view.copy_(param.grad)
+                else:
+                    torch.mul(param.grad, scale, out=view)
+        except RuntimeError:
+            self._refuse_unexpected_sparse(bucket)
+            raise
+
+    def _refuse_unexpected_sparse(self, bucket: _Bucket) -> None:
+        """A copy into a dense bucket failed: name the parameters whose gradient is sparse, if any."""
+        sparse = [
+            name for name, p in zip(bucket.names, bucket.params) if p.grad is not None and p.grad.is_sparse
+        ]
+        if sparse:
+            raise RuntimeError(
+                f"lightning_ddpx: parameter(s) {sparse} received sparse gradients, but only the weights of "
+                "nn.Embedding / nn.EmbeddingBag layers built with sparse=True are expected to (torch's rule), "
+                "so they were planned into a dense bucket. Use such a layer for them, or compute a dense "
+                "gradient (e.g. F.embedding(..., sparse=False))."
+            )
 
     # ------------------------------------------------------------------------------------- finalize
     def _finalize(self) -> None:
@@ -830,9 +946,15 @@ class Reducer:
         except CommunicationError:
             raise
         except Exception as error:
+            sparse = (
+                " This bucket holds a sparse gradient (an embedding with sparse=True): the hook must reduce "
+                "bucket.buffer() as a sparse tensor, or the layer be built with sparse=False."
+                if self.buckets[b].spec.sparse
+                else ""
+            )
             raise RuntimeError(
                 f"lightning_ddpx: the communication hook {_hook_name(self.hook)} failed for bucket {b} "
-                f"(parameters {self._bucket_names(b)}): {error}"
+                f"(parameters {self._bucket_names(b)}): {error}{sparse}"
             ) from error
         if isinstance(value, (list, tuple)) and len(value) == 1:
             value = value[0]
@@ -841,6 +963,9 @@ class Reducer:
         # the communication thread's, engine.launcher); a future without events (a hook's own) did not, so
         # also wait for the stream the hook ran on. No host sync.
         wait_streams(current_stream(buffer.device), [self._launch_streams[b]])
+        if self.buckets[b].spec.sparse:
+            self._check_sparse_result(b, value)
+            return value
         if (
             not isinstance(value, torch.Tensor)
             or value.numel() != buffer.numel()
@@ -861,6 +986,21 @@ class Reducer:
             )
         return value
 
+    def _check_sparse_result(self, b: int, value: Any) -> None:
+        param = self.buckets[b].params[0]
+        if not (isinstance(value, torch.Tensor) and value.is_sparse and value.shape == param.shape):
+            got = (
+                type(value).__name__
+                if not isinstance(value, torch.Tensor)
+                else f"{value.layout} {tuple(value.shape)}"
+            )
+            raise RuntimeError(
+                f"lightning_ddpx: the communication hook {_hook_name(self.hook)} returned {got} for bucket {b}, "
+                f"which holds the sparse gradient of parameter {self._bucket_names(b)[0]!r} "
+                f"{tuple(param.shape)}. For a sparse bucket a hook's future must hold the reduced sparse tensor, "
+                "shaped like the parameter."
+            )
+
     def _write_back_bucket(self, b: int, result: torch.Tensor, used_counts: list[int] | None) -> None:
         """Put bucket ``b``'s reduced gradients into ``param.grad`` (call under ``torch.no_grad()``).
 
@@ -868,6 +1008,11 @@ class Reducer:
         gradients already alias the buffer, so only the buffer is written.
         """
         bucket = self.buckets[b]
+        if bucket.spec.sparse:  # the reduced sparse tensor becomes the gradient, unless no rank used it
+            index = bucket.spec.param_indices[0]
+            if used_counts is None or used_counts[index]:
+                bucket.params[0].grad = result
+            return
         if result is not bucket.buffer:
             bucket.buffer.copy_(result)
         if self._unused_in_bucket[b] == 0:
@@ -895,6 +1040,7 @@ class Reducer:
         self._reductions += 1
         self._remove_start_hooks()
         self._synced_since_forward = succeeded
+        self._locally_used = bytearray(len(self.params))
         if succeeded:
             self.iterations_synced += 1
         if self._ready_order is not None:
@@ -938,6 +1084,42 @@ class Reducer:
         self._handles = []
         self._launcher.close()
         self.progress.close()
+
+    def adopt_params(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        names: Sequence[str],
+        sparse_gradients: Sequence[bool] | None = None,
+    ) -> None:
+        """Reduce ``params`` from now on: the module's trainable parameters changed (``requires_grad`` flipped
+        after wrapping; :mod:`lightning_ddpx.engine.trainable_set`). Every rank calls this between iterations
+        with the same list. As at construction: gradient hooks on the new list, buckets in reverse order,
+        re-planned from the next synchronised backward's gradient order, static_graph recording anew; the
+        hook, its state and the overlap stay."""
+        if self.phase is not Phase.IDLE:
+            raise RuntimeError("lightning_ddpx: the reduced parameters can only change between iterations")
+        for handle in self._handles:
+            handle.remove()
+        # "used since the last synchronisation" (no_sync gradients) follows each parameter to its new index
+        used_before = {id(p) for p, used in zip(self.params, self._locally_used) if used}
+        self.params, self.names = list(params), list(names)
+        self.sparse_gradients = list(sparse_gradients or [False] * len(self.params))
+        self._locally_used = bytearray(id(p) in used_before for p in self.params)
+        self._index_of = {id(p): i for i, p in enumerate(self.params)}
+        self._on_cuda = any(p.device.type == "cuda" for p in self.params)
+        self._grad_streams = [None] * len(self.params)
+        if self.static is not None:
+            self.static = StaticGraph(self.names)
+        # the slots are sized for whole parameters: keep them if they hold the new set (a subset does), else map
+        # new ones (collectives and a new file on two CPU ranks: not on every toggle)
+        exchange = self.shared_memory
+        if exchange is None or not exchange.holds([p.numel() * p.element_size() for p in self.params]):
+            self.shared_memory, self.shared_memory_refusal = self._open_shared_memory()
+        self._ready_order, self._rebuild_pending = [], False
+        self._install_plan(list(reversed(range(len(self.params)))))
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._make_grad_hook(i)) for i, p in enumerate(self.params)
+        ]
 
     def set_overlap(self, overlap: Any) -> None:
         """Step the optimizer through ``overlap`` at the end of backward (``None``: the plain step). Switching

@@ -64,6 +64,21 @@ class StaticGraph:
         self.globally_used = list(globally_used)
         self.unused = [i for i, count in enumerate(self.counts) if count == 0]
 
+    def unused_everywhere(self, index: int) -> bool:
+        """Whether the recording found parameter ``index`` used on no rank (``False`` while recording)."""
+        return self.globally_used is not None and self.globally_used[index] == 0
+
+    def accumulated_message(self, index: int, rank: int) -> str:
+        """A ``no_sync()`` backward gave a gradient to a parameter the recording found unused on every rank:
+        its gradient would never be averaged (synchronised backwards leave such parameters untouched)."""
+        return (
+            f"lightning_ddpx (rank {rank}): static_graph=True, but parameter {self.names[index]!r} received a "
+            "gradient in a no_sync() backward, while the first synchronised iteration recorded it as unused on "
+            "every rank. Its accumulated gradient would never be averaged and the ranks would step with "
+            "different gradients. The graph changed: pass static_graph=False with "
+            "find_unused_parameters=True (which averages gradients accumulated in no_sync())."
+        )
+
     def missing_message(self, missing: Sequence[int], rank: int) -> str:
         assert self.counts is not None
         parts = [f"{self.names[i]!r} ({self.fires[i]} of {self.counts[i]})" for i in missing[:10]]

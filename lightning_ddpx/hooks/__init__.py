@@ -11,6 +11,7 @@ from lightning_ddpx.hooks.default import (
     fp16_compress_wrapper,
     noop_hook,
 )
+from lightning_ddpx.hooks.diloco import DiLoCoOptions, DiLoCoState
 from lightning_ddpx.hooks.post_local_sgd import PostLocalSGDOptions, PostLocalSGDState, post_local_sgd_hook
 from lightning_ddpx.hooks.powersgd import (
     CompressionStats,
@@ -23,6 +24,8 @@ from lightning_ddpx.hooks.registry import available_hooks, build_comm_hook, regi
 
 __all__ = [
     "CompressionStats",
+    "DiLoCoOptions",
+    "DiLoCoState",
     "PostLocalSGDOptions",
     "PostLocalSGDState",
     "PowerSGDOptions",

@@ -23,6 +23,7 @@ from lightning_ddpx.engine.grad_bucket import (
     record_bytes_sent,
     sent_log_of,
 )
+from lightning_ddpx.engine.sparse import dense_buckets_only
 from lightning_ddpx.hooks.layout import TensorSlot, bucket_key, bucket_layout, segment_sizes
 
 __all__ = [
@@ -59,6 +60,7 @@ def first_value(future: torch.futures.Future) -> torch.Tensor:
     return future.value()[0]
 
 
+@dense_buckets_only
 @collectives_issued_on_call
 def fp16_compress_hook(
     process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
@@ -71,6 +73,7 @@ def fp16_compress_hook(
     return _cast_allreduce(torch.float16, process_group, bucket)
 
 
+@dense_buckets_only
 @collectives_issued_on_call
 def bf16_compress_hook(
     process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
@@ -131,7 +134,7 @@ def _cast_wrapper(hook: CommHook, dtype: torch.dtype, label: str) -> CommHook:
     cast_hook.__doc__ = f"``{inner_name}`` on a {dtype} copy of the bucket, cast back afterwards."
     if issues_collectives_on_call(hook):
         collectives_issued_on_call(cast_hook)
-    return cast_hook
+    return dense_buckets_only(cast_hook)
 
 
 def _recast_bucket(bucket: Any, buffer: torch.Tensor, layouts: dict) -> GradBucket:

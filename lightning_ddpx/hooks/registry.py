@@ -2,7 +2,8 @@
 
 A name maps to a :class:`HookEntry`: a factory ``factory(process_group, options) -> (state, hook)`` and the
 type of the options it takes (``None``: it takes none), with the keyword that carries them. PowerSGD
-(``powersgd=PowerSGDOptions``), post-local SGD (``post_local_sgd=PostLocalSGDOptions``) and a user's own
+(``powersgd=PowerSGDOptions``), post-local SGD (``post_local_sgd=PostLocalSGDOptions``), DiLoCo
+(``diloco=DiLoCoOptions``) and a user's own
 configurable hook (``options=...``) all register the same way; options given as a dict are parsed with the
 type's ``from_dict`` (or its constructor), so a typo fails before any communication. Users add names with
 :func:`register_hook_name`.
@@ -26,6 +27,7 @@ from lightning_ddpx.hooks.default import (
     fp16_compress_wrapper,
     noop_hook,
 )
+from lightning_ddpx.hooks.diloco import DiLoCoOptions, DiLoCoState, diloco_local_gradients_hook
 from lightning_ddpx.hooks.post_local_sgd import PostLocalSGDOptions, PostLocalSGDState, post_local_sgd_hook
 from lightning_ddpx.hooks.powersgd import batched_powersgd_hook, powersgd_hook
 from lightning_ddpx.hooks.powersgd.state import PowerSGDOptions, PowerSGDState
@@ -110,6 +112,11 @@ _BUILTIN: dict[str, HookEntry] = {
         PostLocalSGDOptions,
         "post_local_sgd",
     ),
+    "diloco": HookEntry(
+        lambda process_group, options: (DiLoCoState(options, process_group), diloco_local_gradients_hook),
+        DiLoCoOptions,
+        "diloco",
+    ),
 }
 _REGISTRY: dict[str, HookEntry] = dict(_BUILTIN)
 _WRAPPERS: dict[str, Callable[[CommHook], CommHook]] = {
@@ -147,12 +154,13 @@ def build_comm_hook(
     powersgd: PowerSGDOptions | dict[str, Any] | None = None,
     wrapper: str | None = None,
     post_local_sgd: PostLocalSGDOptions | dict[str, Any] | None = None,
+    diloco: DiLoCoOptions | dict[str, Any] | None = None,
     options: Any = None,
 ) -> tuple[Any, CommHook]:
     """``(state, hook)`` for ``model.register_comm_hook(state, hook)``.
 
     ``powersgd`` configures the PowerSGD names (a :class:`PowerSGDOptions` or a dict of its fields; torch's
-    defaults if omitted), ``post_local_sgd`` the post-local SGD hook, ``options`` a hook registered with an
+    defaults if omitted), ``post_local_sgd`` the post-local SGD hook, ``diloco`` DiLoCo (:mod:`lightning_ddpx.hooks.diloco`), ``options`` a hook registered with an
     ``options_type`` of its own; options for a hook that takes none are an error naming the hooks that do. ``wrapper`` (``"fp16"`` or ``"bf16"``) casts the bucket before the hook and the
     result back, e.g. ``build_comm_hook("powersgd", wrapper="fp16")`` sends P and Q in half precision.
     Everything is validated here, before any communication, including (once a process group exists)
@@ -163,7 +171,7 @@ def build_comm_hook(
         raise ValueError(f"unknown communication hook {name!r}; valid names are {available_hooks()}")
     if wrapper is not None and wrapper not in _WRAPPERS:
         raise ValueError(f"unknown hook wrapper {wrapper!r}; valid wrappers are {sorted(_WRAPPERS)} or None")
-    keywords = {"options": options, "powersgd": powersgd, "post_local_sgd": post_local_sgd}
+    keywords = {"options": options, "powersgd": powersgd, "post_local_sgd": post_local_sgd, "diloco": diloco}
     given = {keyword: value for keyword, value in keywords.items() if value is not None}
     for keyword in given:
         if entry.options_type is None or keyword != entry.keyword:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from lightning.fabric.strategies.ddp import _DDPBackwardSyncControl
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
@@ -19,6 +20,7 @@ from lightning.pytorch.strategies.strategy import _ForwardRedirection
 __all__ = [
     "PATH",
     "BackwardSyncControl",
+    "DDPBackwardSyncControl",
     "ForwardRedirection",
     "StrategyRegistry",
     "WrappingCheckpointIO",
@@ -35,6 +37,10 @@ StrategyRegistry = _StrategyRegistry
 
 # Fabric's base for no_backward_sync(): our Fabric strategy plugs the module's no_sync() in. >= 2.0.
 BackwardSyncControl = _BackwardSyncControl
+
+# Fabric DDP's own no_backward_sync(): ours subclasses it, so code that checks for Fabric's DDP sync control
+# (``isinstance(strategy._backward_sync_control, _DDPBackwardSyncControl)``) accepts ours. >= 2.0.
+DDPBackwardSyncControl = _DDPBackwardSyncControl
 
 # Lightning's type of a checkpoint path (str or PathLike), for our CheckpointIO's signatures. >= 2.0.
 PATH = _PATH

@@ -22,6 +22,7 @@ from torch import nn
 
 from lightning_ddpx.engine.module import DistributedDataParallel
 from lightning_ddpx.hooks import (
+    DiLoCoOptions,
     PostLocalSGDOptions,
     PowerSGDOptions,
     available_hooks,
@@ -30,10 +31,23 @@ from lightning_ddpx.hooks import (
     fp16_compress_wrapper,
 )
 from lightning_ddpx.hooks.registry import hook_entry, hooks_taking
-from lightning_ddpx.lightning import checkpoint_state, optimizer_overlap_setup, post_local_sgd_setup
+from lightning_ddpx.lightning import (
+    checkpoint_state,
+    diloco_setup,
+    optimizer_overlap_setup,
+    post_local_sgd_setup,
+    replica_verification,
+)
 from lightning_ddpx.lightning.uneven import LockstepLoader, StepQueue, UnevenInputs, check_uneven_inputs
 
-__all__ = ["CommHookFn", "DDPXConfig", "DDPXConfigAttributes", "STRATEGY_NAMES", "register_strategy_names"]
+__all__ = [
+    "FABRIC_STRATEGY_NAMES",
+    "TRAINER_STRATEGY_NAMES",
+    "CommHookFn",
+    "DDPXConfig",
+    "DDPXConfigAttributes",
+    "register_strategy_names",
+]
 
 CommHookFn = Callable[[Any, Any], Any]  # hook(state, bucket: GradBucket) -> torch.futures.Future[Tensor]
 
@@ -86,7 +100,7 @@ class DDPXConfig:
     comm_hook: Optional[Union[str, CommHookFn]] = _option(
         None,
         "a registered hook name (``allreduce``, ``fp16``, ``bf16``, ``powersgd``, ``batched_powersgd``, "
-        "``post_local_sgd``, ``noop``, or one added with ``lightning_ddpx.hooks.register_hook_name``), a callable "
+        "``post_local_sgd``, ``diloco``, ``noop``, or one added with ``lightning_ddpx.hooks.register_hook_name``), a callable "
         "``hook(state, bucket) -> Future[Tensor]`` such as torch's ``ddp_comm_hooks``, or its import path as a "
         "string (how YAML names one). ``None``: plain mean allreduce, bit for bit torch's default.",
     )
@@ -118,6 +132,13 @@ class DDPXConfig:
         fabric_doc="as in the Trainer strategy: after each ``optimizer.step()`` of an optimizer that holds a "
         "post-local SGD model's parameters, those parameters are averaged when due; ``fabric.save``/"
         "``fabric.load`` keep the hook's iteration, the averager's step and every rank's own weights.",
+    )
+    diloco: Optional[Union[DiLoCoOptions, dict[str, Any]]] = _option(
+        None,
+        'options of ``comm_hook="diloco"``: ``period`` (H, inner steps between syncs), ``outer_lr``, '
+        "``outer_momentum``, ``nesterov``, ``fragments`` and ``overlap_steps`` (streaming DiLoCo), ``mixing``, "
+        '``precision`` of the outer all-reduce (``"fp32"``, ``"bf16"``, ``"fp16"``), as a ``DiLoCoOptions`` or '
+        "a dict. See docs/diloco.md.",
     )
     bucket_cap_mb: float = _option(
         25.0, "gradient bucket size in MiB (torch's default).", check=_positive_megabytes("bucket_cap_mb")
@@ -178,6 +199,17 @@ class DDPXConfig:
         strategies=("Trainer",),  # Fabric has no step loop to log from: fabric.take_comm_stats(model) instead
     )
 
+    verify_replicas_every_n_steps: Optional[int] = _option(
+        None,
+        "compare every rank's parameters bitwise every N optimizer steps and before each checkpoint is saved "
+        "(a digest per parameter, one small ``all_gather``); a mismatch raises on every rank naming the first "
+        "differing parameter, the ranks and the step. ``None``: never. See docs/engine.md (replica "
+        "verification).",
+        fabric_doc="as in the Trainer strategy: every N ``optimizer.step()`` calls of optimizers set up by Fabric, "
+        "and in ``fabric.save``, for every model set up by this strategy. See docs/engine.md (replica "
+        "verification).",
+    )
+
     def __post_init__(self) -> None:
         for f in fields(self):  # each option's own check, declared with it
             check = f.metadata.get("check")
@@ -195,8 +227,21 @@ class DDPXConfig:
                 comm_hook, self.comm_state, self.post_local_sgd, self.model_averaging_period
             ),
         )
+        object.__setattr__(
+            self, "diloco", diloco_setup.resolve_options(comm_hook, self.diloco, self.comm_wrapper)
+        )
         optimizer_overlap_setup.check_option(
-            self.overlap_optimizer, post_local_sgd_setup.is_configured(self.post_local_sgd, self.comm_state)
+            self.overlap_optimizer,
+            post_local_sgd_setup.is_configured(self.post_local_sgd, self.comm_state)
+            or self.diloco is not None,
+        )
+        replica_verification.check_option(
+            self.verify_replicas_every_n_steps,
+            "post-local SGD"
+            if post_local_sgd_setup.is_configured(self.post_local_sgd, self.comm_state)
+            else "DiLoCo"
+            if self.diloco is not None
+            else None,
         )
         object.__setattr__(self, "bucket_cap_mb", float(self.bucket_cap_mb))
         object.__setattr__(self, "first_bucket_cap_mb", float(self.first_bucket_cap_mb))
@@ -261,7 +306,9 @@ class DDPXConfig:
                 powersgd=self.powersgd,
                 wrapper=self.comm_wrapper,
                 post_local_sgd=self.post_local_sgd,
+                diloco=self.diloco,
             )
+            diloco_setup.attach(state, module)
         else:
             state, hook = post_local_sgd_setup.adopt_torch_state(
                 self.comm_state, self.comm_hook, self.model_averaging_period
@@ -437,22 +484,61 @@ def _restore_bucket_layout(module: DistributedDataParallel, entry: Any) -> None:
         )
 
 
-# The names both strategies register (Trainer's and Fabric's registries): (name, description, arguments).
-STRATEGY_NAMES: tuple[tuple[str, str, dict[str, Any]], ...] = (
-    ("ddpx", "lightning_ddpx DDP, processes launched as scripts (like 'ddp')", {}),
-    ("ddpx_spawn", "lightning_ddpx DDP, processes spawned (like 'ddp_spawn')", {"start_method": "spawn"}),
-    (
-        "ddpx_find_unused_parameters_true",
-        "lightning_ddpx DDP with find_unused_parameters=True",
-        {"find_unused_parameters": True},
-    ),
+# The names each registry gets: (name, description, arguments). Lightning's own DDP names with "ddp" spelled
+# "ddpx" -- the same names and the same ``init_params`` as Lightning's ``DDPStrategy.register_strategies``,
+# separately for the Trainer and for Fabric, whose registries differ -- plus our hook shortcuts.
+_START_METHODS: tuple[tuple[str, str], ...] = (
+    ("ddpx", "popen"),
+    ("ddpx_spawn", "spawn"),
+    ("ddpx_fork", "fork"),
+    ("ddpx_notebook", "fork"),  # what Jupyter and Colab select: forks the notebook's process
+)
+_HOOK_SHORTCUTS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("ddpx_fp16", "lightning_ddpx DDP with fp16-compressed allreduce", {"comm_hook": "fp16"}),
     ("ddpx_powersgd", "lightning_ddpx DDP with PowerSGD (default options)", {"comm_hook": "powersgd"}),
 )
 
 
-def register_strategy_names(strategy_class: type, registry: Any) -> None:
-    """Register :data:`STRATEGY_NAMES` for ``strategy_class`` in a Lightning or Fabric strategy registry."""
-    for name, description, init_params in STRATEGY_NAMES:
+def _start_method_names() -> list[tuple[str, str, dict[str, Any]]]:
+    return [
+        (
+            name,
+            f"lightning_ddpx DDP with `start_method={method!r}` (like {name[:3] + name[4:]!r})",
+            {"start_method": method},
+        )
+        for name, method in _START_METHODS
+    ]
+
+
+def _unused_parameters_name(name: str, method: str, find_unused: bool) -> tuple[str, str, dict[str, Any]]:
+    return (
+        f"{name}_find_unused_parameters_{str(find_unused).lower()}",
+        f"lightning_ddpx DDP with `find_unused_parameters={find_unused}` and `start_method={method!r}`",
+        {"find_unused_parameters": find_unused, "start_method": method},
+    )
+
+
+TRAINER_STRATEGY_NAMES: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    *_start_method_names(),
+    *(
+        _unused_parameters_name(name, method, find_unused)
+        for name, method in _START_METHODS
+        for find_unused in (False, True)
+    ),
+    *_HOOK_SHORTCUTS,
+)
+FABRIC_STRATEGY_NAMES: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    *_start_method_names(),
+    _unused_parameters_name("ddpx", "popen", True),  # Fabric registers this one alone
+    *_HOOK_SHORTCUTS,
+)
+
+
+def register_strategy_names(
+    strategy_class: type, registry: Any, names: tuple[tuple[str, str, dict[str, Any]], ...]
+) -> None:
+    """Register ``names`` (:data:`TRAINER_STRATEGY_NAMES` or :data:`FABRIC_STRATEGY_NAMES`) for
+    ``strategy_class`` in a Lightning or Fabric strategy registry."""
+    for name, description, init_params in names:
         # override=True: re-importing (or reloading) lightning_ddpx must not fail on its own names
         registry.register(name, strategy_class, description=description, override=True, **init_params)

@@ -29,6 +29,7 @@ __all__ = [
     "build_ddpx_config",
     "check_passthrough_kwargs",
     "merge_lightning_hook_args",
+    "torch_ddp_kwargs",
     "wrapper_name",
 ]
 
@@ -255,6 +256,13 @@ def build_ddpx_config(owner: str, strategy: str, arguments: Mapping[str, Any]) -
     ours = {name: value for name, value in arguments.items() if name in accepted}
     passthrough = {name: value for name, value in arguments.items() if name not in accepted}
     return _config_from(owner, passthrough, **ours)
+
+
+def torch_ddp_kwargs(arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """The torch DDP keyword arguments among ``arguments`` (honoured or refused ones), as given: what
+    Lightning's ``DDPStrategy`` keeps in ``strategy._ddp_kwargs``, for code that reads them there (e.g.
+    ``find_unused_parameters`` of a registered name such as ``ddpx_find_unused_parameters_true``)."""
+    return {name: value for name, value in arguments.items() if name in HONOURED or name in REFUSED}
 
 
 def _config_from(

@@ -29,6 +29,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel as TorchDistributedDataParallel
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
@@ -39,16 +40,22 @@ from lightning_ddpx.hooks.model_averaging import ModelAverager
 from lightning_ddpx.lightning import local_replicas, optimizer_overlap_setup, post_local_sgd_setup
 from lightning_ddpx.lightning._compat import (
     PATH,
-    BackwardSyncControl,
+    DDPBackwardSyncControl,
     StrategyRegistry,
     weights_only_argument,
 )
 from lightning_ddpx.lightning.checkpoint_io import AtomicCheckpointIO
 from lightning_ddpx.lightning.checkpoint_state import CHECKPOINT_KEY
-from lightning_ddpx.lightning.config import DDPXConfigAttributes, ddp_device_ids, register_strategy_names
-from lightning_ddpx.lightning.ddp_kwargs import build_ddpx_config
+from lightning_ddpx.lightning.config import (
+    FABRIC_STRATEGY_NAMES,
+    DDPXConfigAttributes,
+    ddp_device_ids,
+    register_strategy_names,
+)
+from lightning_ddpx.lightning.ddp_kwargs import build_ddpx_config, torch_ddp_kwargs
 from lightning_ddpx.lightning.options import takes_ddpx_options
 from lightning_ddpx.lightning.process_exit import destroy_process_group_at_exit
+from lightning_ddpx.lightning.replica_verification import ReplicaVerifier
 from lightning_ddpx.lightning.uneven import StepInfo, StepQueue
 
 __all__ = ["DDPXStrategy", "take_comm_stats"]
@@ -90,11 +97,13 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
+        self._ddp_kwargs = torch_ddp_kwargs(kwargs)  # Lightning's attribute: torch DDP's arguments, as given
         self._backward_sync_control = _DDPXBackwardSyncControl()
         # post-local SGD: (model, its averager) for each model set up with the hook, averaged after steps
         self._averaged: list[tuple[DistributedDataParallel, ModelAverager]] = []
         self._uneven_steps = StepQueue(on_push=self._on_batch_fetched)
         self._modules: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
+        self._replicas = ReplicaVerifier(self.ddpx_config.verify_replicas_every_n_steps)  # in set-up order
 
     @property
     @override
@@ -131,6 +140,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         if averager is not None:
             self._averaged.append((wrapped, averager))
         self._modules.add(wrapped)
+        self._replicas.track(wrapped)
         return wrapped
 
     @override
@@ -195,12 +205,14 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
 
         With ``overlap_optimizer``, nothing when the last backward already stepped this optimizer."""
         if self.overlap_optimizer and optimizer_overlap_setup.stepped_in_backward(self._modules, optimizer):
+            self._replicas.after_optimizer_step()
             return None
         output = super().optimizer_step(optimizer, **kwargs)
         for module, averager in self._averaged:
             if post_local_sgd_setup.owns_params(module, optimizer):
                 post_local_sgd_setup.check_optimizers([optimizer])
                 post_local_sgd_setup.average_after_step(averager, optimizer)
+        self._replicas.after_optimizer_step()
         return output
 
     @override
@@ -229,6 +241,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         each in the Trainer strategy's entry format. Fabric calls this on every rank, as gathering needs.
         """
         modules = _our_modules(state)
+        self._replicas.before_save(modules.values())  # a diverged run must not be saved as rank 0's weights
         if modules:
             if CHECKPOINT_KEY in state:
                 raise ValueError(
@@ -301,25 +314,46 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         }
         return local_replicas.gather_replicas(mine)
 
+    # -------------------------------------------------------------------------------------- teardown
+    @override
+    def teardown(self) -> None:
+        """Close every model this strategy set up (gradient hooks removed, its threads ended), then Fabric's
+        teardown. Fabric itself does not call this; code that ends a run with ``strategy.teardown()`` (as
+        for the Trainer strategy) leaves no lightning_ddpx thread behind. The models' weights stay usable;
+        training them further needs a new ``fabric.setup``."""
+        for module in list(self._modules):
+            module.close()
+        self._modules = weakref.WeakSet()
+        self._averaged.clear()
+        self._replicas = ReplicaVerifier(
+            self.ddpx_config.verify_replicas_every_n_steps
+        )  # closed ones forgotten
+        super().teardown()
+
     # ------------------------------------------------------------------------------------- registry
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
-        register_strategy_names(cls, strategy_registry)
+        register_strategy_names(cls, strategy_registry, FABRIC_STRATEGY_NAMES)
 
 
-class _DDPXBackwardSyncControl(BackwardSyncControl):
-    """``fabric.no_backward_sync(model)``: our module's ``no_sync()``; wrap the forward too."""
+class _DDPXBackwardSyncControl(DDPBackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: the module's ``no_sync()``; wrap the forward too.
+
+    A subclass of Fabric's DDP sync control, so code checking for it accepts ours. A module wrapped in
+    torch's ``DistributedDataParallel`` is accepted too: its ``no_sync()`` is the right call for it.
+    """
 
     @override
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
         if not enabled:
             return nullcontext()
-        if not isinstance(module, DistributedDataParallel):
+        if not isinstance(module, (DistributedDataParallel, TorchDistributedDataParallel)):
             raise TypeError(
-                "DDPXStrategy: fabric.no_backward_sync needs a model set up by this strategy (wrapped in "
-                f"lightning_ddpx.DistributedDataParallel), got {type(module).__name__}. Call "
-                "model = fabric.setup(model, ...) first."
+                "DDPXStrategy: blocking backward sync is only possible if the module passed to "
+                f"`{type(self).__name__}.no_backward_sync` is wrapped in `DistributedDataParallel` "
+                f"(lightning_ddpx's, by fabric.setup); got {type(module).__name__}. Call "
+                "model = fabric.setup(model, ...) first and pass that model to fabric.no_backward_sync."
             )
         return module.no_sync()
 

@@ -33,6 +33,9 @@ def replicas_may_differ(hook_state: Any, averaging: bool) -> bool:
     """Whether post-local SGD has started, so that ranks may hold different weights or optimizer state."""
     if not averaging:
         return False
+    differ = getattr(hook_state, "replicas_differ", None)  # DiLoCo: from the first inner step on
+    if isinstance(differ, bool):
+        return differ
     start = getattr(hook_state, "start_localSGD_iter", None)
     return start is not None and getattr(hook_state, "iter", 0) >= start
 

@@ -35,7 +35,8 @@ def check_option(overlap_optimizer: Any, post_local_sgd_configured: bool) -> Non
     if overlap_optimizer and post_local_sgd_configured:
         raise ValueError(
             "DDPXStrategy: overlap_optimizer=True cannot be combined with post-local SGD (post_local_sgd / a "
-            "PostLocalSGDState): that combination is not implemented or tested. Drop one of the two options."
+            "PostLocalSGDState) or DiLoCo (comm_hook='diloco'): that combination is not implemented or tested. "
+            "Drop one of the two options."
         )
 
 

@@ -22,6 +22,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as torch_post_local_sgd
 
+from lightning_ddpx.hooks.diloco import DiLoCoState
 from lightning_ddpx.hooks.model_averaging import ModelAverager, PeriodicModelAverager
 from lightning_ddpx.hooks.post_local_sgd import PostLocalSGDOptions, PostLocalSGDState, from_torch_state
 
@@ -119,7 +120,10 @@ def adopt_torch_state(state: Any, hook: Any, period: Optional[int]) -> tuple[Any
 
 
 def averager_for(hook_state: Any, model_averaging_period: Optional[int]) -> Optional[ModelAverager]:
-    """The averager to run after each optimizer step, or ``None`` when the hook is not post-local SGD."""
+    """The averager to run after each optimizer step, or ``None`` when the hook is not post-local SGD
+    (or DiLoCo, whose outer step runs at the same place)."""
+    if isinstance(hook_state, DiLoCoState):
+        return hook_state.averager
     if isinstance(hook_state, PostLocalSGDState):
         if hook_state.averager is None and model_averaging_period is not None:
             hook_state.set_period(model_averaging_period)

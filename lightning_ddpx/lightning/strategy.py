@@ -40,6 +40,7 @@ from lightning_ddpx.hooks.model_averaging import ModelAverager
 from lightning_ddpx.lightning import _compat as lightning_compat
 from lightning_ddpx.lightning import (
     checkpoint_state,
+    diloco_setup,
     local_replicas,
     optimizer_overlap_setup,
     post_local_sgd_setup,
@@ -47,15 +48,29 @@ from lightning_ddpx.lightning import (
 from lightning_ddpx.lightning._compat import PATH
 from lightning_ddpx.lightning.checkpoint_io import AtomicCheckpointIO
 from lightning_ddpx.lightning.compile import apply_lightning_compile
-from lightning_ddpx.lightning.config import DDPXConfigAttributes, register_strategy_names
-from lightning_ddpx.lightning.ddp_kwargs import build_ddpx_config
+from lightning_ddpx.lightning.config import (
+    TRAINER_STRATEGY_NAMES,
+    DDPXConfigAttributes,
+    register_strategy_names,
+)
+from lightning_ddpx.lightning.ddp_kwargs import build_ddpx_config, torch_ddp_kwargs
 from lightning_ddpx.lightning.options import takes_ddpx_options
 from lightning_ddpx.lightning.process_exit import destroy_process_group_at_exit
+from lightning_ddpx.lightning.replica_verification import ReplicaVerifier
 from lightning_ddpx.lightning.uneven import StepQueue
 
-__all__ = ["DDPXStrategy"]
+__all__ = ["UNUSED_PARAMETERS_HINT", "DDPXStrategy"]
 
 log = logging.getLogger(__name__)
+
+# Lightning's sentence for a parameter without gradient (its DDPStrategy.on_exception), in our names.
+UNUSED_PARAMETERS_HINT = (
+    "It looks like your LightningModule has parameters that were not used in producing the loss returned by "
+    "training_step. If this is intentional, you must enable the detection of unused parameters in DDP, either "
+    "by setting the string value `strategy='ddpx_find_unused_parameters_true'` or by setting the flag in the "
+    "strategy with `strategy=DDPXStrategy(find_unused_parameters=True)`."
+)
+_UNUSED_PARAMETERS = "received no gradient"  # in the engine's error for a parameter without gradient
 
 
 @takes_ddpx_options("Trainer")
@@ -99,6 +114,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
+        self._ddp_kwargs = torch_ddp_kwargs(kwargs)  # Lightning's attribute: torch DDP's arguments, as given
         # Lightning's redirection toggles torch-DDP attributes in manual optimisation; ours needs none of it
         # (see training_step/pre_backward), so use the plain one.
         self._forward_redirection = lightning_compat.ForwardRedirection()
@@ -113,6 +129,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         self._averager: Optional[ModelAverager] = None  # post-local SGD: averages after optimizer_step
         self._pending_replica: Optional[dict[str, Any]] = None  # this rank's weights from a checkpoint
         self._uneven_steps = StepQueue()  # what the ranks agreed for each fetched training batch
+        self._replicas = ReplicaVerifier(self.ddpx_config.verify_replicas_every_n_steps)
 
     # ------------------------------------------------------------------------------------ description
     @property
@@ -194,7 +211,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
 
         With ``overlap_optimizer`` the closure's backward steps the optimizer: run only the closure."""
         if self.overlap_optimizer:
-            return optimizer_overlap_setup.step_with_closure(
+            output = optimizer_overlap_setup.step_with_closure(
                 self.precision_plugin,
                 self.model,
                 model or self.lightning_module,
@@ -202,10 +219,19 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
                 closure,
                 **kwargs,
             )
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._averager is not None:
-            post_local_sgd_setup.average_after_step(self._averager, optimizer)
+        else:
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+            if self._averager is not None:
+                post_local_sgd_setup.average_after_step(self._averager, optimizer)
+                if self.comm_stats_every_n_steps and self.lightning_module is not None:
+                    trainer = lightning_compat.trainer_of(self.lightning_module)
+                    if trainer is not None:  # DiLoCo: bytes of each outer sync
+                        diloco_setup.log_outer_syncs(self._hook_state, trainer)
+        self._replicas.after_optimizer_step(self._our_model())
         return output
+
+    def _our_model(self) -> list[DistributedDataParallel]:
+        return [self.model] if isinstance(self.model, DistributedDataParallel) else []
 
     @override
     def configure_ddp(self) -> None:
@@ -341,6 +367,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         Also after ``fit`` (``trainer.save_checkpoint`` once training ended): the state outlives the module.
         Weights-only checkpoints (no optimizer states) stay weights only.
         """
+        self._replicas.before_save(self._our_model())  # a diverged run must not be saved as rank 0's weights
         if self._averager is not None and "optimizer_states" in checkpoint and dist.is_initialized():
             self._add_local_replicas(checkpoint)
         if self._hook_registered and "optimizer_states" in checkpoint and dist.is_initialized():
@@ -379,7 +406,10 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     def _take_local_replica(self, checkpoint: dict[str, Any]) -> None:
         """This rank's own optimizer state replaces rank 0's in ``checkpoint`` (Lightning loads it after
         setup); its weights wait for the module to be wrapped."""
-        averaging = post_local_sgd_setup.is_configured(self.post_local_sgd, self.comm_state)
+        averaging = (
+            post_local_sgd_setup.is_configured(self.post_local_sgd, self.comm_state)
+            or self.diloco is not None
+        )
         mine = local_replicas.replica_for_rank(
             checkpoint.pop(local_replicas.REPLICAS_KEY, None), self.global_rank, self.world_size, averaging
         )
@@ -408,13 +438,19 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     # -------------------------------------------------------------------------------------- teardown
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """Nothing to rewrite: lightning_ddpx's errors already name the parameter and the fix
-        (Lightning's DDPStrategy rewrites one of torch's reducer messages here)."""
+        """Keep our message (it names the parameters, the rank and the fix) and, for parameters that got no
+        gradient, add the sentence Lightning's DDPStrategy puts in place of torch's message here, which
+        users and their tools search for."""
+        exception.args = tuple(
+            f"{arg}\n{UNUSED_PARAMETERS_HINT}" if isinstance(arg, str) and _UNUSED_PARAMETERS in arg else arg
+            for arg in exception.args
+        )
 
     @override
     def teardown(self) -> None:
         log.debug(f"{type(self).__name__}: tearing down")
         pl_module = self.lightning_module
+        diloco_setup.finish(self._hook_state)  # no DiLoCo exchange left in flight when the group goes
         if isinstance(self.model, DistributedDataParallel):
             self._final_bucket_layout = (
                 self.model.reducer_state_dict()
@@ -432,7 +468,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: lightning_compat.StrategyRegistry) -> None:
-        register_strategy_names(cls, strategy_registry)
+        register_strategy_names(cls, strategy_registry, TRAINER_STRATEGY_NAMES)
 
 
 def _remove_gradient_hooks(module: DistributedDataParallel) -> None:

@@ -39,12 +39,7 @@ EXCLUDED: dict[str, str] = {
 
 # Candidates that fail with our class until a fix made elsewhere lands: the peer test expects them to fail
 # (strictly: once they pass, remove them from here).
-PENDING: dict[str, str] = {
-    "test_grads_same_across_ranks_with_no_sync": (
-        "find_unused_parameters with no_sync(): a parameter used only in a no_sync() iteration must count as "
-        "used at the next synchronised backward, as torch's reducer counts it (the engine's no_sync fix)."
-    ),
-}
+PENDING: dict[str, str] = {}
 
 
 def every_case(base: type) -> list[str]:

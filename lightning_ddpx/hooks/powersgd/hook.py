@@ -30,6 +30,7 @@ import torch.distributed as dist
 from lightning_ddpx._compat.torch import foreach_add_, foreach_copy_, foreach_sub_
 from lightning_ddpx.engine.grad_bucket import payload_bytes, record_bytes_sent
 from lightning_ddpx.engine.profiling import label
+from lightning_ddpx.engine.sparse import dense_buckets_only
 from lightning_ddpx.hooks.default import first_value
 from lightning_ddpx.hooks.layout import bucket_key, bucket_layout, layout_signature, segment_sizes
 from lightning_ddpx.hooks.powersgd import remap as powersgd_remap
@@ -46,6 +47,7 @@ from lightning_ddpx.hooks.powersgd.state import PowerSGDState
 __all__ = ["batched_powersgd_hook", "powersgd_hook"]
 
 
+@dense_buckets_only
 def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """PowerSGD on each gradient matrix of the bucket (torch's ``powerSGD_hook``, blocking and batched).
 
@@ -57,6 +59,7 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     return _reduce(state, bucket, _TensorwiseRuntime, "lightning_ddpx::powersgd")
 
 
+@dense_buckets_only
 def batched_powersgd_hook(
     state: PowerSGDState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:

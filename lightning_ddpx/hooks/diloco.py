@@ -1,0 +1,386 @@
+"""DiLoCo and streaming DiLoCo: an inner optimizer steps on local gradients, an outer one on the averaged delta.
+
+DiLoCo (Douillard et al., arXiv 2311.08105) trains each replica alone for ``H`` inner steps with its own
+optimizer (AdamW, say) on its own gradients -- nothing is exchanged -- and then takes one *outer* step: the
+outer gradient is the replicas' mean parameter change since the last outer step,
+``delta = mean_m(anchor - params_m)``, and an outer optimizer (SGD with Nesterov momentum) steps the
+*anchor* (the last global parameters) with it; every replica then continues from the new anchor. One
+exchange of the parameters every ``H`` steps instead of one of the gradients every step.
+
+Streaming DiLoCo (Douillard et al., arXiv 2501.18512) splits the parameters into ``F`` fragments that sync
+on a staggered schedule (fragment ``f`` at steps ``o_f, o_f + H, o_f + 2H, ...`` with
+``o_f = (f + 1) * H // F``), so each exchange carries ``1/F`` of the model; the exchange runs in the
+background while ``tau`` more inner steps are computed (``overlap_steps``), and its result is applied
+then: the outer step gives the fragment's new global value ``g``, and the replica's fragment becomes
+``alpha * local + (1 - alpha) * g`` (``mixing``; 0 keeps nothing of the ``tau`` local steps). The delta
+may be sent in bf16 or fp16 (``precision``). With ``F = 1``, ``tau = 0``, ``alpha = 0`` this is DiLoCo.
+
+During inner steps the module's gradients must not be all-reduced: the registered hook
+(:func:`diloco_local_gradients_hook`) hands each bucket back untouched. The outer step runs after every
+inner optimizer step through :class:`OuterStep` (a :class:`~lightning_ddpx.hooks.model_averaging.ModelAverager`,
+so the strategies drive it like post-local SGD's averager). Everything the schedule needs -- the step
+counter, the anchors, the outer momentum, any exchange still in flight (waited for, its result kept) --
+is in :meth:`DiLoCoState.state_dict`, tensors and plain values only, so a resumed run continues bit for
+bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_ddpx.engine.backend_support import bf16_reduction_problem
+from lightning_ddpx.engine.errors import waiting_for
+from lightning_ddpx.engine.grad_bucket import collectives_issued_on_call
+from lightning_ddpx.hooks.default import noop_hook
+from lightning_ddpx.hooks.model_averaging import ModelAverager, ParamsOrGroups
+
+__all__ = [
+    "DiLoCoOptions",
+    "DiLoCoState",
+    "OuterStep",
+    "OuterSync",
+    "diloco_local_gradients_hook",
+    "fragment_of_parameters",
+]
+
+PRECISIONS: dict[str, Optional[torch.dtype]] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+STATE_FORMAT = 1
+_KEPT_SYNCS = 1024  # untaken exchange records kept (bytes_sent keeps the total regardless)
+
+
+def _integer(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"diloco option {name} must be an integer >= {minimum}, got {value!r}.")
+    return int(value)
+
+
+def _number(name: str, value: Any, low: float, high: Optional[float] = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= low:
+        raise ValueError(f"diloco option {name} must be a number >= {low}, got {value!r}.")
+    if high is not None and value > high:
+        raise ValueError(f"diloco option {name} must be between {low} and {high}, got {value!r}.")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class DiLoCoOptions:
+    """How often and how the outer step runs. Defaults: the papers' outer optimizer (SGD, lr 0.7, Nesterov
+    momentum 0.9), ``H = 100`` (streaming DiLoCo's), one fragment, no overlap, full precision."""
+
+    period: int = 100  # H: inner optimizer steps between two syncs of the same fragment
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    fragments: int = 1  # F: streaming DiLoCo when > 1
+    overlap_steps: int = 0  # tau: inner steps computed while a fragment's exchange is in flight
+    mixing: float = 0.0  # alpha: weight of the local fragment when the global one arrives
+    precision: str = "fp32"  # of the outer all-reduce: "fp32" (the parameters' dtype), "bf16", "fp16"
+
+    def __post_init__(self) -> None:
+        period = _integer("period", self.period, 1)
+        object.__setattr__(self, "period", period)
+        object.__setattr__(self, "outer_lr", _number("outer_lr", self.outer_lr, 0.0))
+        object.__setattr__(self, "outer_momentum", _number("outer_momentum", self.outer_momentum, 0.0, 1.0))
+        if not isinstance(self.nesterov, bool):
+            raise ValueError(f"diloco option nesterov must be True or False, got {self.nesterov!r}.")
+        if self.nesterov and self.outer_momentum == 0:
+            raise ValueError(
+                "diloco option nesterov=True needs outer_momentum > 0 (Nesterov momentum without momentum is "
+                "plain SGD); set outer_momentum (the papers use 0.9) or nesterov=False."
+            )
+        fragments = _integer("fragments", self.fragments, 1)
+        if fragments > period:
+            raise ValueError(
+                f"diloco option fragments={fragments} exceeds period={period}: each fragment syncs once per "
+                "period, at a step of its own. Use at most `period` fragments."
+            )
+        object.__setattr__(self, "fragments", fragments)
+        overlap = _integer("overlap_steps", self.overlap_steps, 0)
+        if overlap >= period:
+            raise ValueError(
+                f"diloco option overlap_steps={overlap} must be less than period={period}: a fragment's exchange "
+                "has to be applied before the same fragment is sent again."
+            )
+        object.__setattr__(self, "overlap_steps", overlap)
+        object.__setattr__(self, "mixing", _number("mixing", self.mixing, 0.0, 1.0))
+        if self.precision not in PRECISIONS:
+            raise ValueError(
+                f"diloco option precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}."
+            )
+
+    @classmethod
+    def from_dict(cls, options: Mapping[str, Any]) -> "DiLoCoOptions":
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise TypeError(f"unknown diloco option(s) {unknown}; the options are {known}.")
+        return cls(**options)
+
+    def offset(self, fragment: int) -> int:
+        """The first inner step at which ``fragment`` is sent (then every ``period`` steps)."""
+        return (fragment + 1) * self.period // self.fragments
+
+
+def fragment_of_parameters(numels: list[int], fragments: int) -> list[int]:
+    """Fragment index of each parameter: contiguous in ``parameters()`` order, balanced by element count
+    (parameter ``i`` goes to ``floor(F * elements_before_i / total)``). Falls back to equal parameter counts
+    when that leaves a fragment empty (one parameter larger than the rest together)."""
+    if fragments > len(numels):
+        raise ValueError(
+            f"diloco option fragments={fragments} exceeds the model's {len(numels)} trainable parameters; "
+            "each fragment needs at least one. Use fewer fragments."
+        )
+    total = max(sum(numels), 1)
+    assignment, before = [], 0
+    for numel in numels:
+        assignment.append(min(fragments - 1, before * fragments // total))
+        before += numel
+    if set(assignment) != set(range(fragments)):
+        count = len(numels)
+        assignment = [i * fragments // count for i in range(count)]
+    return assignment
+
+
+@collectives_issued_on_call  # none at all: run inline, as noop_hook
+def diloco_local_gradients_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DiLoCo's inner steps: each rank keeps its own gradients (no communication, 0 bytes reported)."""
+    return noop_hook(state, bucket)
+
+
+@dataclass(frozen=True)
+class OuterSync:
+    """One fragment's outer exchange: at which inner step it was sent and how many bytes it carried."""
+
+    step: int
+    fragment: int
+    bytes_sent: int
+
+
+@dataclass
+class _InFlight:
+    apply_at: int  # inner step after which the result is applied
+    payload: torch.Tensor  # the mean delta, once ``work`` completed
+    work: Any  # torch.distributed Work, or None when complete
+
+
+class DiLoCoState:
+    """The hook state of ``comm_hook="diloco"``: options, anchors, outer optimizer, exchanges in flight.
+
+    :meth:`attach` binds it to the module's parameters (every rank must hold the same values then, as after
+    the module's initial broadcast); :attr:`averager` runs the schedule after each inner optimizer step.
+    """
+
+    def __init__(
+        self, options: Optional[DiLoCoOptions] = None, process_group: Optional[dist.ProcessGroup] = None
+    ):
+        self.options = options if options is not None else DiLoCoOptions()
+        self.process_group = process_group
+        self.averager = OuterStep(self)
+        self.syncs = 0  # fragment exchanges applied
+        self.bytes_sent = 0  # payload bytes of all outer exchanges
+        self._new_syncs: list[OuterSync] = []
+        self.params: list[torch.Tensor] = []
+        self.anchors: list[torch.Tensor] = []
+        self.fragment_of: list[int] = []
+        self.outer_optimizer: Optional[torch.optim.SGD] = None
+        self._in_flight: dict[int, _InFlight] = {}
+
+    # --------------------------------------------------------------------------------------- set-up
+    @property
+    def step(self) -> int:
+        """Inner optimizer steps taken."""
+        return self.averager.step
+
+    @property
+    def replicas_differ(self) -> bool:
+        """Whether ranks may hold different weights or inner optimizer state (after the first inner step)."""
+        return self.step > 0
+
+    def attach(self, params: Iterable[torch.Tensor]) -> None:
+        """Take ``params`` (the trainable parameters, in order) as the replica's; their values become the
+        anchors. Checks that the backend can reduce the chosen precision."""
+        self.params = [p for p in params if p.requires_grad]
+        if not self.params:
+            raise ValueError("comm_hook='diloco': the model has no trainable parameters to synchronise.")
+        self.fragment_of = fragment_of_parameters([p.numel() for p in self.params], self.options.fragments)
+        with torch.no_grad():
+            self.anchors = [p.detach().clone() for p in self.params]
+        o = self.options
+        self.outer_optimizer = torch.optim.SGD(
+            self.anchors, lr=o.outer_lr, momentum=o.outer_momentum, nesterov=o.nesterov
+        )
+        self._in_flight = {}
+        if o.precision == "bf16" and dist.is_initialized():
+            problem = bf16_reduction_problem(self.process_group, self.params[0].device)
+            if problem is not None:
+                raise TypeError(
+                    f"comm_hook='diloco' with precision='bf16': {problem}. Use precision='fp16' or 'fp32'."
+                )
+
+    def fragment_params(self, fragment: int) -> list[int]:
+        return [i for i, f in enumerate(self.fragment_of) if f == fragment]
+
+    # ------------------------------------------------------------------------------------- schedule
+    def after_inner_step(self, step: int) -> bool:
+        """Run what is due after inner step ``step`` (1-based): send fragments whose turn it is, then apply
+        those whose ``overlap_steps`` have passed. Returns whether any fragment was applied."""
+        if self.outer_optimizer is None:
+            raise RuntimeError(
+                "comm_hook='diloco': the state is not attached to a model; the strategy does this when it "
+                "wraps the module (DiLoCoState.attach(module.parameters()) when used by hand)."
+            )
+        o = self.options
+        for fragment in range(o.fragments):
+            start = o.offset(fragment)
+            if step >= start and (step - start) % o.period == 0:
+                self._send(fragment, step)
+        applied = False
+        for fragment in sorted(self._in_flight):
+            if self._in_flight[fragment].apply_at == step:
+                self._apply(fragment)
+                applied = True
+        return applied
+
+    def _send(self, fragment: int, step: int) -> None:
+        indices = self.fragment_params(fragment)
+        with torch.no_grad():
+            delta = torch.cat([(self.anchors[i] - self.params[i].detach()).reshape(-1) for i in indices])
+            dtype = PRECISIONS[self.options.precision]
+            payload = delta.to(dtype) if dtype is not None else delta
+            world_size = dist.get_world_size(self.process_group)
+            payload.div_(world_size)
+            overlap = self.options.overlap_steps
+            with waiting_for(f"every rank's DiLoCo outer delta (fragment {fragment})", self.process_group):
+                work = dist.all_reduce(payload, group=self.process_group, async_op=overlap > 0)
+        nbytes = payload.numel() * payload.element_size()
+        self.bytes_sent += nbytes
+        self._new_syncs.append(OuterSync(step, fragment, nbytes))
+        del self._new_syncs[:-_KEPT_SYNCS]  # nobody taking them (statistics off): keep the latest only
+        self._in_flight[fragment] = _InFlight(step + overlap, payload, work if overlap > 0 else None)
+
+    def _wait(self, in_flight: _InFlight, fragment: int) -> None:
+        if in_flight.work is not None:
+            with waiting_for(
+                f"the DiLoCo outer all-reduce of fragment {fragment} sent at an earlier step",
+                self.process_group,
+            ):
+                in_flight.work.wait()
+            in_flight.work = None
+
+    def _apply(self, fragment: int) -> None:
+        in_flight = self._in_flight.pop(fragment)
+        self._wait(in_flight, fragment)
+        indices = self.fragment_params(fragment)
+        assert self.outer_optimizer is not None
+        mean, offset = in_flight.payload, 0
+        alpha = self.options.mixing
+        with torch.no_grad():
+            for i in indices:
+                anchor = self.anchors[i]
+                anchor.grad = mean[offset : offset + anchor.numel()].view_as(anchor).to(anchor.dtype)
+                offset += anchor.numel()
+            self.outer_optimizer.step()
+            for i in indices:
+                anchor, param = self.anchors[i], self.params[i].detach()
+                anchor.grad = None
+                if alpha == 0.0:
+                    param.copy_(anchor)
+                else:
+                    param.copy_(anchor.lerp(param, alpha))
+        self.syncs += 1
+
+    def finish(self) -> None:
+        """Wait for exchanges still in flight (their results stay pending, as in a checkpoint)."""
+        for fragment, in_flight in self._in_flight.items():
+            self._wait(in_flight, fragment)
+
+    def take_syncs(self) -> list[OuterSync]:
+        """The exchanges sent since the last call (what the strategies log)."""
+        taken, self._new_syncs = self._new_syncs, []
+        return taken
+
+    # ---------------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """``{"shared": ..., "per_rank": {}}``: everything is equal on every rank (anchors, outer momentum,
+        step, the mean delta of exchanges in flight -- waited for here), so it is stored once."""
+        self.finish()
+        optimizer = self.outer_optimizer.state_dict() if self.outer_optimizer is not None else None
+        shared = {
+            "format": STATE_FORMAT,
+            "step": self.step,
+            "syncs": self.syncs,
+            "bytes_sent": self.bytes_sent,
+            "fragment_of": list(self.fragment_of),
+            "anchors": [a.detach().clone() for a in self.anchors],
+            "outer_optimizer": optimizer,
+            "in_flight": {
+                f: {"apply_at": x.apply_at, "mean_delta": x.payload.clone()}
+                for f, x in self._in_flight.items()
+            },
+        }
+        return {"shared": shared, "per_rank": {}}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        shared = state_dict["shared"]
+        if shared.get("format") != STATE_FORMAT:
+            raise ValueError(
+                f"DiLoCo state of format {shared.get('format')!r}; this version reads {STATE_FORMAT}."
+            )
+        anchors = shared["anchors"]
+        if [tuple(a.shape) for a in anchors] != [tuple(a.shape) for a in self.anchors]:
+            raise ValueError(
+                "the checkpoint's DiLoCo anchors do not match this model's trainable parameters (other shapes "
+                "or another number of them)."
+            )
+        if list(shared["fragment_of"]) != self.fragment_of and shared["in_flight"]:
+            raise ValueError(
+                "the checkpoint was written with another split into fragments while an exchange was in flight; "
+                "resume with the same diloco fragments option."
+            )
+        with torch.no_grad():
+            for anchor, saved in zip(self.anchors, anchors):
+                anchor.copy_(saved)
+        assert self.outer_optimizer is not None
+        if shared["outer_optimizer"] is not None:
+            self.outer_optimizer.load_state_dict(shared["outer_optimizer"])
+            for group in self.outer_optimizer.param_groups:  # this run's options, the saved momentum
+                o = self.options
+                group.update(lr=o.outer_lr, momentum=o.outer_momentum, nesterov=o.nesterov)
+        self.averager.step = int(shared["step"])
+        self.syncs = int(shared["syncs"])
+        self.bytes_sent = int(shared["bytes_sent"])
+        device = self.anchors[0].device
+        self._in_flight = {
+            int(f): _InFlight(int(x["apply_at"]), x["mean_delta"].to(device), None)
+            for f, x in shared["in_flight"].items()
+        }
+        self._new_syncs = []
+
+    def __repr__(self) -> str:
+        return f"DiLoCoState({self.options}, step={self.step}, syncs={self.syncs})"
+
+
+class OuterStep(ModelAverager):
+    """Counts inner optimizer steps and runs the outer schedule after each (the strategies call
+    :meth:`average_parameters` after every ``optimizer.step()``, as they do for post-local SGD)."""
+
+    def __init__(self, state: DiLoCoState) -> None:
+        super().__init__(0, state.process_group)
+        self.state = state
+
+    def group_due(self) -> dist.ProcessGroup | None | bool:
+        return False  # the schedule is the state's, per fragment
+
+    def average_parameters(self, params: ParamsOrGroups) -> bool:
+        """``params`` is ignored: the outer step covers every trainable parameter given to ``attach``."""
+        self.step += 1
+        return self.state.after_inner_step(self.step)
+
+    def __repr__(self) -> str:
+        return f"OuterStep({self.state!r})"

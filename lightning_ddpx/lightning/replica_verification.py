@@ -1,0 +1,72 @@
+"""``verify_replicas_every_n_steps``: the strategies compare the ranks' weights every N optimizer steps and
+before each checkpoint is written.
+
+The engine does the comparison (:meth:`lightning_ddpx.DistributedDataParallel.verify_replicas`: a bitwise
+digest per parameter, one ``all_gather`` of a few integers); this module decides when. Every rank runs the
+same optimizer steps and saves the same checkpoints (Lightning and Fabric call both on every rank), so every
+rank verifies at the same point. A mismatch raises on every rank, before the checkpoint is written: a
+checkpoint holds rank 0's weights only and would hide the divergence for good.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Iterable, Optional
+
+from lightning_ddpx.engine.module import DistributedDataParallel
+
+__all__ = ["ReplicaVerifier", "check_option"]
+
+
+def check_option(every_n_steps: Any, local_steps_by: Optional[str]) -> None:
+    """Constructor-time checks of the option (no process group). ``local_steps_by``: the configured method
+    whose replicas differ on purpose between synchronisations ("post-local SGD", "DiLoCo"), if any."""
+    if every_n_steps is None:
+        return
+    if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+        raise ValueError(
+            "DDPXStrategy: verify_replicas_every_n_steps must be a positive number of optimizer steps or None "
+            f"(no verification), got {every_n_steps!r}."
+        )
+    if local_steps_by is not None:
+        raise ValueError(
+            f"DDPXStrategy: verify_replicas_every_n_steps cannot be combined with {local_steps_by}: its replicas "
+            f"differ on purpose between synchronisations. Drop verify_replicas_every_n_steps (or {local_steps_by})."
+        )
+
+
+class ReplicaVerifier:
+    """Counts optimizer steps and verifies the modules when due; the modules are held weakly, in set-up order
+    (the same on every rank, so every rank verifies them in the same order)."""
+
+    def __init__(self, every_n_steps: Optional[int]) -> None:
+        self.every_n_steps = every_n_steps
+        self.steps = 0  # optimizer steps seen (every optimizer counts)
+        self._modules: list[weakref.ref[DistributedDataParallel]] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_modules": []}  # ddpx_spawn pickles the strategy; weak references do not
+
+    def track(self, module: DistributedDataParallel) -> None:
+        self._modules.append(weakref.ref(module))
+
+    def modules(self) -> list[DistributedDataParallel]:
+        alive = [ref() for ref in self._modules]
+        return [module for module in alive if module is not None]
+
+    def after_optimizer_step(self, modules: Optional[Iterable[DistributedDataParallel]] = None) -> None:
+        """One optimizer step happened; verify ``modules`` (default: the tracked ones) if it is the N-th."""
+        if self.every_n_steps is None:
+            return
+        self.steps += 1
+        if self.steps % self.every_n_steps == 0:
+            what = f"every {self.every_n_steps} optimizer steps"
+            for module in self.modules() if modules is None else modules:
+                module.verify_replicas(step=self.steps, what=what)
+
+    def before_save(self, modules: Optional[Iterable[DistributedDataParallel]] = None) -> None:
+        """A checkpoint is about to be written: verify ``modules`` (default: the tracked ones) first."""
+        if self.every_n_steps is None:
+            return
+        for module in self.modules() if modules is None else modules:
+            module.verify_replicas(step=self.steps, what="before saving a checkpoint")

@@ -1,0 +1,201 @@
+"""DiLoCo without a second rank: options and their errors, the fragment split, the strategies' refusals, the
+checkpoint state (plain, ``weights_only``-loadable, round trip), and the benchmark's DiLoCo contenders and
+byte counting."""
+
+from __future__ import annotations
+
+import io
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_ddpx.hooks.diloco import DiLoCoOptions, DiLoCoState, fragment_of_parameters
+from lightning_ddpx.lightning.config import DDPXConfig
+from tests.dist_utils import one_rank_group
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        ({"period": 0}, ValueError, "diloco option period must be an integer >= 1"),
+        ({"outer_lr": -1}, ValueError, "outer_lr must be a number >= 0"),
+        ({"outer_momentum": 1.5}, ValueError, "outer_momentum must be between 0.0 and 1.0"),
+        ({"outer_momentum": 0.0}, ValueError, "nesterov=True needs outer_momentum > 0"),
+        ({"nesterov": "yes"}, ValueError, "nesterov must be True or False"),
+        ({"period": 4, "fragments": 5}, ValueError, "fragments=5 exceeds period=4"),
+        ({"period": 4, "overlap_steps": 4}, ValueError, "overlap_steps=4 must be less than period=4"),
+        ({"mixing": 2}, ValueError, "mixing must be between"),
+        ({"precision": "fp8"}, ValueError, "precision must be one of"),
+        ({"periode": 3}, TypeError, r"unknown diloco option\(s\) \['periode'\]"),
+    ],
+)
+def test_bad_options_name_the_option_and_the_fix(options, error, match) -> None:
+    with pytest.raises(error, match=match):
+        DDPXConfig(comm_hook="diloco", diloco=options)
+
+
+def test_the_strategy_refuses_what_does_not_fit_diloco() -> None:
+    with pytest.raises(ValueError, match="diloco options are given but comm_hook is 'powersgd'"):
+        DDPXConfig(comm_hook="powersgd", diloco={"period": 3})
+    with pytest.raises(ValueError, match="DiLoCo sends no gradients to compress.*'precision': 'fp16'"):
+        DDPXConfig(comm_hook="diloco", comm_wrapper="fp16")
+    with pytest.raises(ValueError, match="overlap_optimizer=True cannot be combined"):
+        DDPXConfig(comm_hook="diloco", overlap_optimizer=True)
+    with pytest.raises(TypeError, match="diloco must be a DiLoCoOptions or a dict"):
+        DDPXConfig(comm_hook="diloco", diloco=[3])
+    config = DDPXConfig(comm_hook="diloco")
+    assert config.diloco == DiLoCoOptions() and config.hook_name == "diloco"
+    assert DDPXConfig(comm_hook="diloco", diloco=DiLoCoOptions(period=7)).diloco.period == 7
+
+
+def test_fragments_are_contiguous_and_balanced_by_elements() -> None:
+    assert fragment_of_parameters([10, 10, 10, 10], 2) == [0, 0, 1, 1]
+    assert fragment_of_parameters([30, 1, 1, 8], 2) == [0, 1, 1, 1]  # 30 of 40 before the second
+    assert fragment_of_parameters([1000, 1, 1], 3) == [0, 1, 2]  # one huge parameter: equal counts
+    with pytest.raises(ValueError, match="fragments=3 exceeds the model's 2 trainable parameters"):
+        fragment_of_parameters([4, 4], 3)
+    o = DiLoCoOptions(period=10, fragments=4)
+    assert [o.offset(f) for f in range(4)] == [2, 5, 7, 10]
+
+
+def test_an_unattached_state_says_how_to_attach_it() -> None:
+    with pytest.raises(RuntimeError, match=r"DiLoCoState.attach\(module.parameters\(\)\)"):
+        DiLoCoState(DiLoCoOptions(period=2)).averager.average_parameters([])
+
+
+def _step(model: nn.Module, state: DiLoCoState, optimizer: torch.optim.Optimizer, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(4, 3, generator=generator), torch.randn(4, 2, generator=generator)
+    optimizer.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+    state.averager.average_parameters(optimizer.param_groups)
+
+
+def _run(steps: int, saved: bytes | None = None, save_at: int | None = None):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    state = DiLoCoState(DiLoCoOptions(period=4, fragments=2, overlap_steps=1, precision="fp16"))
+    state.attach(model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    first = 0
+    if saved is not None:
+        checkpoint = torch.load(io.BytesIO(saved), weights_only=True)
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        state.load_state_dict(checkpoint["diloco"])
+        first = state.step
+    out = None
+    for step in range(first, steps):
+        _step(model, state, optimizer, step)
+        if save_at == step + 1:
+            buffer = io.BytesIO()
+            sd = state.state_dict()
+            torch.save(
+                {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "diloco": sd}, buffer
+            )
+            out = buffer.getvalue()
+    return model, state, out
+
+
+def test_state_round_trips_through_a_weights_only_checkpoint_with_an_exchange_in_flight() -> None:
+    with one_rank_group():
+        model, state, _ = _run(13)
+        _, _, saved = _run(
+            13, save_at=6
+        )  # fragment 1 sent at 4 applied at 5; fragment 0 sent at 6: in flight
+        checkpoint = torch.load(io.BytesIO(saved), weights_only=True)["diloco"]
+        assert checkpoint["per_rank"] == {}
+        shared = checkpoint["shared"]
+        assert (
+            shared["step"] == 6
+            and set(shared["in_flight"]) == {0}
+            and shared["in_flight"][0]["apply_at"] == 7
+        )
+        assert shared["in_flight"][0]["mean_delta"].dtype == torch.float16
+        resumed, resumed_state, _ = _run(13, saved=saved)
+        for a, b in zip(model.parameters(), resumed.parameters()):
+            assert torch.equal(a, b)
+        assert (resumed_state.step, resumed_state.syncs, resumed_state.bytes_sent) == (
+            state.step,
+            state.syncs,
+            state.bytes_sent,
+        )
+        for a, b in zip(state.anchors, resumed_state.anchors):
+            assert torch.equal(a, b)
+
+
+def test_a_checkpoint_of_another_model_is_refused_by_name() -> None:
+    with one_rank_group():
+        _, state, saved = _run(4, save_at=4)
+        other = DiLoCoState(DiLoCoOptions(period=4))
+        other.attach(nn.Linear(5, 5).parameters())
+        with pytest.raises(ValueError, match="anchors do not match this model's trainable parameters"):
+            other.load_state_dict(torch.load(io.BytesIO(saved), weights_only=True)["diloco"])
+
+
+def test_bench_has_both_diloco_contenders_and_counts_their_exchanges() -> None:
+    from lightning_ddpx.bench.convergence import convergence_contenders_named
+    from lightning_ddpx.bench.convergence_worker import _parameter_exchange_bytes
+    from lightning_ddpx.hooks.diloco import OuterSync
+
+    diloco, streaming = convergence_contenders_named(["diloco", "streaming-diloco"])
+    assert diloco.steps_factor == streaming.steps_factor == 3
+    assert diloco.lossy and diloco.strategy["comm_hook"] == "diloco"
+    DDPXConfig(**streaming.strategy)  # valid options
+    state = DiLoCoState()
+    state._new_syncs = [OuterSync(3, 0, 100), OuterSync(3, 1, 28)]
+    assert _parameter_exchange_bytes(state, 999) == 128.0
+    assert _parameter_exchange_bytes(state, 999) == 0.0  # taken
+    averager = SimpleNamespace(step=14, warmup_steps=10, period=4)  # the averager counted step 13: not due
+    assert _parameter_exchange_bytes(SimpleNamespace(averager=averager), 999) == 0.0
+    averager.step = 15  # counted step 14 = 10 + 4: averaged the whole model
+    assert _parameter_exchange_bytes(SimpleNamespace(averager=averager), 999) == 999.0
+    assert _parameter_exchange_bytes(None, 999) == 0.0
+
+
+def test_bench_table_reports_bytes_saved_and_recommends_against_torch_ddp_alone() -> None:
+    """On the slow link only torch's DDP may be run as the lossless reference: the recommendation still
+    considers DiLoCo, and the table says how many times fewer bytes each contender sent."""
+    from lightning_ddpx.bench.convergence import (
+        convergence_contenders_named,
+        default_target,
+        recommend_from_convergence,
+        summarize_runs,
+    )
+    from tests.test_bench_convergence import curve
+
+    runs = {
+        "torch-ddp": curve(2.0, [0.5, 0.8, 0.90, 0.94, 0.96], sent=1000.0),
+        # twice the steps (steps_factor): judged at torch's 50 steps (0.95, 0.955), timed to 0.94 at step 40
+        "diloco": curve(0.1, [0.5, 0.8, 0.90, 0.95, 0.955, 0.2, 0.2, 0.2, 0.2, 0.2], sent=5.0),
+        "streaming-diloco": curve(0.1, [0.5, 0.7, 0.80, 0.85, 0.90], sent=5.0),  # outside tolerance
+    }
+    rows = summarize_runs(convergence_contenders_named(list(runs)), runs, default_target(runs, "max", 0.01))
+    by_name = {r.name: r for r in rows}
+    assert by_name["diloco"].bytes_vs_torch == pytest.approx(200.0)
+    assert by_name["diloco"].vs_torch == pytest.approx(4.0 / 80.0)
+    assert by_name["diloco"].final_metric == pytest.approx(0.9525) and by_name["diloco"].steps == 100
+    assert by_name["diloco"].extra["final_at_end"] == pytest.approx(0.2)
+    assert by_name["diloco"].bytes_to_target == pytest.approx(40 * 5.0)  # reached at step 40
+    assert by_name["torch-ddp"].bytes_to_target == pytest.approx(40 * 1000.0)
+    advice = recommend_from_convergence(rows, "val_acc", 0.01)
+    assert advice.startswith("Recommended: diloco -> DDPXStrategy(comm_hook='diloco'"), advice
+    assert "0.05x torch-ddp's time" in advice and "streaming-diloco (val_acc 0.8750 vs 0.9500)" in advice
+
+
+def test_outer_sync_metrics_give_each_exchange_and_the_running_total() -> None:
+    from lightning_ddpx.hooks.diloco import OuterSync
+    from lightning_ddpx.lightning.diloco_setup import outer_sync_metrics
+
+    state = DiLoCoState()
+    state.bytes_sent = 300
+    state._new_syncs = [OuterSync(4, 0, 100), OuterSync(8, 1, 50)]
+    fabric_model = SimpleNamespace(_forward_module=SimpleNamespace(comm_hook_state=state))
+    assert outer_sync_metrics(fabric_model) == [
+        {"ddpx/outer_sync_bytes": 100.0, "ddpx/outer_sync_fragment": 0.0, "ddpx/outer_bytes_total": 250.0},
+        {"ddpx/outer_sync_bytes": 50.0, "ddpx/outer_sync_fragment": 1.0, "ddpx/outer_bytes_total": 300.0},
+    ]
+    assert outer_sync_metrics(state) == [] and outer_sync_metrics(nn.Linear(2, 2)) == []
