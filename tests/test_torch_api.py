@@ -171,6 +171,54 @@ def test_a_hook_is_registered_once_with_torchs_sentence() -> None:
     assert re.search("register_comm_hook can only be called once.", ours[1])  # older torch's sentence
 
 
+def _returns_int(state: object, bucket: dist.GradBucket):  # noqa: ANN202 - unannotated, as users write them
+    return 1
+
+
+def _returns_tensor(state: object, bucket: dist.GradBucket):  # noqa: ANN202
+    return bucket.buffer()
+
+
+def _returns_none(state: object, bucket: dist.GradBucket):  # noqa: ANN202
+    return None
+
+
+NOT_A_FUTURE = {"int": _returns_int, "tensor": _returns_tensor}  # torch 2.13 crashes (SIGSEGV) on None
+TORCH_NOT_A_FUTURE = re.compile(r"callback must return a torch\.futures\.Future object, but got \S+")
+
+
+@pytest.mark.parametrize("name", sorted(NOT_A_FUTURE))
+def test_a_hook_returning_no_future_fails_backward_with_torchs_sentence(name: str) -> None:
+    """An unannotated hook passes registration; torch's backward then refuses its result with a
+    RuntimeError naming the type it got. Ours raises the same type and sentence, naming the hook too."""
+    hook = NOT_A_FUTURE[name]
+
+    def backward(ddp_class: type) -> tuple[str, str, list[str]]:
+        model = ddp_class(nn.Linear(3, 2))
+        model.register_comm_hook(None, hook)
+        return outcome(lambda: model(torch.randn(4, 3)).sum().backward())
+
+    with one_rank_group():
+        theirs = backward(TORCH_DDP)
+    with one_rank_group():
+        ours = backward(OUR_DDP)
+    sentence = TORCH_NOT_A_FUTURE.search(theirs[1])
+    assert theirs[0] == "RuntimeError" and sentence, f"torch's behaviour changed: {theirs}"
+    assert ours[0] == "RuntimeError" and sentence.group(0) in ours[1], f"ours: {ours}, torch's: {theirs}"
+    assert hook.__qualname__ in ours[1]  # the culprit, which torch's message does not name
+
+
+def test_a_hook_returning_none_fails_backward_in_torchs_words() -> None:
+    """No oracle here: torch 2.13's backward segfaults on a hook returning None. Ours raises its error."""
+    with one_rank_group():
+        model = OUR_DDP(nn.Linear(3, 2))
+        model.register_comm_hook(None, _returns_none)
+        with pytest.raises(RuntimeError, match="_returns_none") as raised:
+            model(torch.randn(4, 3)).sum().backward()
+    sentence = "callback must return a torch.futures.Future object, but got builtins.NoneType"
+    assert sentence in str(raised.value)
+
+
 def test_string_annotations_are_accepted() -> None:
     """``from __future__ import annotations`` leaves annotations as strings: a correct hook stays correct."""
 
@@ -410,3 +458,114 @@ def test_verify_replicas_leaves_torchs_ignored_tensors_out() -> None:
     for tensors, error in run_distributed(ignored_pass_verification, 2):
         assert tensors == "7", tensors  # 6 parameters + 3 buffers, less the two ignored
         assert "0.weight" in error and "ranks [1]" in error, error
+
+
+# ------------------------------------------------------------------------- torch's usage logger
+class _MixedNet(nn.Module):
+    """Two dtypes (two buckets at least), a buffer: the keys about parameters and buckets have content."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Linear(8, 2).double()
+        self.register_buffer("count", torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)).double())
+
+
+LOGGING_OPTIONS = {
+    "defaults": {},
+    "small_buckets_views_no_buffers": {"bucket_cap_mb": 0.0001, "gradient_as_bucket_view": True,
+                                       "broadcast_buffers": False},
+    "static_graph": {"static_graph": True},
+    "torch_allreduce_hook": {"hook": True},
+}  # fmt: skip
+# Keys ours fills (docs/engine.md, "torch's usage logger"): each must be present, with torch's value and type.
+FILLED_KEYS = {
+    "backend_name", "world_size", "rank", "module_name", "device_ids", "output_device", "broadcast_buffers",
+    "bucket_cap_bytes", "find_unused_parameters", "gradient_as_bucket_view", "is_multi_device_module",
+    "num_parameter_tensors", "total_parameter_size_bytes", "dtypes", "bucket_sizes", "has_sync_bn",
+    "iteration", "master_addr", "master_port", "torch_distributed_debug", "cuda_visible_devices",
+    "gloo_socket_ifname", "gloo_device_transport",
+}  # fmt: skip
+
+
+def logging_data_of_both(rank: int, world_size: int, options: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each class's ``_get_ddp_logging_data()`` after construction, after 1 step and after 14 steps (sample
+    rate 4: torch's sampling leaves ``iteration`` at 12), on the same model and options."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    options = dict(options)
+    hook = options.pop("hook", False)
+    data: dict[str, dict[str, Any]] = {}
+    for name, ddp_class in (("torch", TORCH_DDP), ("ours", OUR_DDP)):
+        torch.manual_seed(0)
+        model = ddp_class(_MixedNet(), **options)
+        if hook:
+            model.register_comm_hook(dist.group.WORLD, default_hooks.allreduce_hook)
+        model._set_ddp_runtime_logging_sample_rate(4)
+        data[f"{name} constructed"] = model._get_ddp_logging_data()
+        for step in range(14):
+            model(rank_batch(rank, step, (5, 4))).sum().backward()
+            if step == 0:
+                data[f"{name} 1 step"] = model._get_ddp_logging_data()
+        data[f"{name} 14 steps"] = model._get_ddp_logging_data()
+    return data
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(LOGGING_OPTIONS))
+def test_usage_logging_data_matches_torchs(name: str) -> None:
+    """Every key ours gives has torch's value and type on the same model and options; ours gives at least
+    FILLED_KEYS, and the rebuild, hook and static-graph keys exactly when torch's does."""
+    for rank_data in run_distributed(logging_data_of_both, 2, LOGGING_OPTIONS[name], timeout=180):
+        for moment in ("constructed", "1 step", "14 steps"):
+            theirs, ours = rank_data[f"torch {moment}"], rank_data[f"ours {moment}"]
+            assert FILLED_KEYS <= ours.keys(), f"{moment}: missing {FILLED_KEYS - ours.keys()}"
+            for key in ("has_rebuilt_buckets", "rebuilt_bucket_sizes", "static_graph", "comm_hook"):
+                assert (key in ours) == (key in theirs), f"{moment}: {key} in ours {key in ours}"
+            if "rebuilt_bucket_sizes" in ours:  # the same buckets; torch's order across dtypes is its map's
+                ours, theirs = dict(ours), dict(theirs)
+                ours["rebuilt_bucket_sizes"], theirs["rebuilt_bucket_sizes"] = (
+                    sorted(data["rebuilt_bucket_sizes"].split(", ")) for data in (ours, theirs)
+                )
+            for key, value in ours.items():
+                assert key in theirs and (value, type(value)) == (theirs[key], type(theirs[key])), (
+                    f"{moment}: {key}: ours {value!r}, torch's {theirs.get(key)!r}"
+                )
+        assert rank_data["ours 14 steps"]["iteration"] == 12
+
+
+def test_a_hook_failure_is_logged_as_torchs_verify_ddp_error_logged_expects() -> None:
+    """torch's own test helper finds the error a hook returning no future raised in ``error``."""
+    from torch.testing._internal.common_distributed import verify_ddp_error_logged
+
+    with one_rank_group():
+        model = OUR_DDP(nn.Linear(3, 2))
+        assert "error" not in model._get_ddp_logging_data()
+        model.register_comm_hook(None, _returns_int)
+        with pytest.raises(RuntimeError) as raised:
+            model(torch.randn(4, 3)).sum().backward()
+        verify_ddp_error_logged(model, str(raised.value))
+        assert model._get_ddp_logging_data()["has_error"] == 1
+
+
+@pytest.mark.parametrize("call", ["register_comm_hook", "sample_rate"])
+def test_refused_calls_are_logged_as_torchs(call: str) -> None:
+    """A refused registration or sample rate: the same error type as torch's, and logged as torch logs it."""
+    from torch.testing._internal.common_distributed import verify_ddp_error_logged
+
+    def refuse(ddp_class: type) -> tuple[nn.Module, tuple[str, str, list[str]]]:
+        model = ddp_class(nn.Linear(3, 2))
+        if call == "sample_rate":
+            return model, outcome(lambda: model._set_ddp_runtime_logging_sample_rate(0))
+        return model, outcome(lambda: model.register_comm_hook(None, _hook_returning_int))
+
+    with one_rank_group():
+        theirs = refuse(TORCH_DDP)[1]
+    with one_rank_group():
+        model, ours = refuse(OUR_DDP)
+        assert ours[0] == theirs[0] != "ok" and torch_sentence(theirs[1]) in ours[1], (ours, theirs)
+        verify_ddp_error_logged(model, ours[1])
+        assert model._get_ddp_logging_data()["error"] == f"<class '{ours[0]}'>: {ours[1]}"  # torch's form

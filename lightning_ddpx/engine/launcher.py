@@ -23,7 +23,7 @@ import torch
 from lightning_ddpx.engine.cuda_streams import comm_thread_stream, result_future, stream_scope
 from lightning_ddpx.engine.exit_threads import stop_at_exit
 
-__all__ = ["InlineLauncher", "SequencedLauncher", "Task"]
+__all__ = ["InlineLauncher", "SequencedLauncher", "Task", "as_future"]
 
 Task = Callable[[], torch.futures.Future]
 
@@ -34,11 +34,33 @@ EXIT_JOIN_TIMEOUT_S = 10.0
 CLOSE_WAIT_S = 2.0
 
 
+def as_future(result: Any) -> torch.futures.Future:
+    """A task's result if it is a future; else a future failed with the error torch's DDP raises for it.
+
+    A hook that returns something else (a tensor, a list, ``None``) is a user's slip: waiting on it would
+    fail with an ``AttributeError`` far from the cause. Failing the future instead lets the reducer report
+    it, naming the hook and the bucket, when it waits for that bucket.
+    """
+    if isinstance(result, torch._C.Future):
+        return result
+    got = f"{type(result).__module__}.{type(result).__qualname__}"
+    failed: torch.futures.Future = torch.futures.Future()
+    failed.set_exception(
+        RuntimeError(
+            f"it returned a {got}, not a torch.futures.Future; a communication hook must return a future "
+            "of the reduced bucket, e.g. dist.all_reduce(bucket.buffer(), async_op=True).get_future() "
+            f"(torch: DDP communication hook's callback must return a torch.futures.Future object, but got "
+            f"{got})"
+        )
+    )
+    return failed
+
+
 class InlineLauncher:
     """Run each task at once on the calling thread."""
 
     def submit(self, task: Task) -> torch.futures.Future:
-        return task()
+        return as_future(task())
 
     def close(self) -> None:
         pass
@@ -98,7 +120,7 @@ def _serve(
         task, done = item
         try:
             with stream_scope(stream):
-                value: Any = task().wait()
+                value: Any = as_future(task()).wait()
                 done.set_result(value)
         except BaseException as error:  # noqa: BLE001 - the waiting side re-raises it
             done.set_exception(error)

@@ -39,6 +39,7 @@ from lightning_ddpx.engine.replica_check import ReplicaReport, named_state, veri
 from lightning_ddpx.engine.shared_memory import local_obstacles
 from lightning_ddpx.engine.sparse import expects_sparse_gradients
 from lightning_ddpx.engine.trainable_set import TrainableSet
+from lightning_ddpx.engine.usage_log import UsageLog, errors_logged, logging_data
 
 __all__ = ["DistributedDataParallel", "NothingToSynchronise"]
 
@@ -119,6 +120,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         super().__init__()
         Joinable.__init__(self)  # nn.Module does not chain __init__; the join config starts disabled
         self._join_divide_by_initial_world_size = True
+        self._usage_log = UsageLog()  # torch's usage-logger surface (_get_ddp_logging_data)
         if bucket_cap_mb is None:
             bucket_cap_mb = 25.0  # torch's None: its default cap
         _validate_arguments(module, bucket_cap_mb, first_bucket_cap_mb)
@@ -209,6 +211,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             static_graph=self.static_graph,
             sparse_gradients=expects_sparse_gradients(self.module, [p for _, p in trainable]),
             shared_memory_obstacles=self._shared_memory_obstacles,
+            usage_log=self._usage_log,
         )
 
     def _synced_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -258,6 +261,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         state["_hook_registered"] = False
         state["_settings_verified"] = False
         state["_shared_memory_obstacles"] = None  # the process that loads it has its own environment
+        state["_usage_log"] = UsageLog()  # as torch's: a new logger
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -289,6 +293,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             )
 
     # ---------------------------------------------------------------------------- static graph (torch)
+    @errors_logged
     def _set_static_graph(self) -> None:
         """torch's private ``_set_static_graph()``: the same as ``static_graph=True`` at construction.
 
@@ -333,6 +338,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     # The reducer's bookkeeping is Python state (phases, bucket rebuilds, collectives): under torch.compile it
     # runs eagerly, outside the graph, so the compiled graph holds only the module's computation.
     @torch.compiler.disable
+    @errors_logged
     def _before_forward(self) -> bool:
         will_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         sync_buffers = self.broadcast_buffers and self._sync_buffers_next_forward and self.world_size > 1
@@ -342,6 +348,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if will_sync:
             self._verify_settings_once()
             self._follow_trainable_changes()
+            self._usage_log.on_sync_forward(self._rebuilt_plan)
         self.reducer.prepare_forward(will_sync, rebuild_src=rebuild_src)
         if sync_buffers:
             self._broadcast_buffers(buffers_src)
@@ -584,6 +591,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         return self.process_group
 
     # ------------------------------------------------------------------------------------- comm hooks
+    @errors_logged
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Use ``hook(state, bucket) -> Future[Tensor]`` to reduce each bucket (torch's signature).
 
@@ -606,6 +614,42 @@ class DistributedDataParallel(nn.Module, Joinable):
         check_bf16_hook(hook, self.process_group, self.device, probe=True)
         self.reducer.register_comm_hook(state, hook)
         self._hook_registered = True
+
+    # ------------------------------------------------------------------------ torch's usage logger
+    def _get_ddp_logging_data(self) -> dict[str, int | str]:
+        """torch's usage-logger dict, for the keys we fill truthfully (docs/engine.md lists them): the options,
+        the parameters and buckets, the sampled iteration and the last error this module raised."""
+        return logging_data(
+            self._usage_log,
+            self.module,
+            [p for _, p in self._trainable.trainable()],
+            self.reducer.plan_history[0][1],
+            self.process_group,
+            self._logged_settings(),
+        )
+
+    @errors_logged
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
+        """torch's check (an integer >= 1); the rate paces ``iteration`` as torch's, no timings are taken."""
+        self._usage_log.set_sample_rate(sample_rate)
+
+    def _logged_settings(self) -> dict[str, int | str]:
+        settings: dict[str, int | str] = {
+            "device_ids": ", ".join(str(d) for d in self.device_ids or ()),
+            "output_device": -1 if self.output_device is None else int(self.output_device),
+            "broadcast_buffers": int(self.broadcast_buffers),
+            "bucket_cap_bytes": megabytes_to_bytes(self.bucket_cap_mb),
+            "find_unused_parameters": int(self.find_unused_parameters),
+            "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
+        }
+        if self.static_graph:
+            settings["static_graph"] = 1
+        if self._hook_registered:
+            settings["comm_hook"] = _describe(self.reducer.hook)
+        return settings
+
+    def _rebuilt_plan(self) -> list[BucketInfo] | None:
+        return self.reducer.bucket_infos() if self.reducer.has_rebuilt_buckets else None
 
     @property
     def synchronised_steps(self) -> int:

@@ -46,6 +46,7 @@ from lightning_ddpx.engine.shared_memory import (
 )
 from lightning_ddpx.engine.sparse import empty_sparse_like, sparse_refusal
 from lightning_ddpx.engine.static_graph import StaticGraph
+from lightning_ddpx.engine.usage_log import UsageLog
 
 __all__ = ["Reducer"]
 
@@ -134,8 +135,10 @@ class Reducer:
         static_graph: bool = False,
         sparse_gradients: Sequence[bool] | None = None,
         shared_memory_obstacles: Sequence[int] | None = None,
+        usage_log: UsageLog | None = None,
     ) -> None:
         self.params = list(params)
+        self.usage_log = usage_log  # records the errors backward raises (torch's usage logger)
         # parameters whose gradients are sparse (embeddings with sparse=True): each in a bucket of its own
         self.sparse_gradients = list(sparse_gradients or [False] * len(self.params))
         self.names = list(names)
@@ -347,6 +350,11 @@ class Reducer:
             )
         if will_sync and self._rebuild_pending:
             self._rebuild_buckets(rebuild_src)
+
+    @property
+    def has_rebuilt_buckets(self) -> bool:
+        """The buckets follow the observed gradient order now (torch: rebuilt after the first iteration)."""
+        return self._ready_order is None and not self._rebuild_pending
 
     @property
     def rebuild_pending(self) -> bool:
@@ -891,6 +899,10 @@ class Reducer:
                 if self.collect_stats:
                     self._record_step_stats()
                 succeeded = True
+            except Exception as error:
+                if self.usage_log is not None:
+                    self.usage_log.record(error)
+                raise
             finally:
                 self._end_iteration(succeeded)
 
