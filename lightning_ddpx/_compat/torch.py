@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import _JoinConfig
 
 __all__ = [
+    "AnyFuture",
     "JoinConfig",
     "aot_compiles",
     "allow_non_fake_inputs",
@@ -39,6 +40,12 @@ __all__ = [
     "sparse_nnz_bytes",
     "tracing_context",
 ]
+
+# ---------------------------------------------------------------------------------------------- futures
+# The base class of every torch future: the ones collectives return (``work.get_future()``) are instances of
+# the C++ class, not of its Python subclass ``torch.futures.Future``, so ``isinstance`` needs this one to
+# tell a hook's future from anything else it might return. torch >= 1.6.
+AnyFuture: type = torch._C.Future
 
 # --------------------------------------------------------------------------------------------- autograd
 # Run a callback when the current backward pass ends: how a reducer knows every gradient of this backward

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 
+from lightning_ddpx._compat.torch import AnyFuture
 from lightning_ddpx.engine.cuda_streams import comm_thread_stream, result_future, stream_scope
 from lightning_ddpx.engine.exit_threads import stop_at_exit
 
@@ -41,7 +42,7 @@ def as_future(result: Any) -> torch.futures.Future:
     fail with an ``AttributeError`` far from the cause. Failing the future instead lets the reducer report
     it, naming the hook and the bucket, when it waits for that bucket.
     """
-    if isinstance(result, torch._C.Future):
+    if isinstance(result, AnyFuture):
         return result
     got = f"{type(result).__module__}.{type(result).__qualname__}"
     failed: torch.futures.Future = torch.futures.Future()
