@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 from dataclasses import asdict, dataclass
@@ -38,9 +37,11 @@ from benchmarks.common import (  # noqa: E402
     make_batch,
     make_train_step,
     max_param_diff,
+    model_names,
     parameter_summary,
     summarize_pair,
     verdict,
+    write_json,
 )
 
 DEFAULT_MODELS = ("mlp", "transformer", "many")
@@ -221,10 +222,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         ),
         flush=True,
     )
+    write_json(args.json, results)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
         print(f"results written to {args.json}")
     return results
 
@@ -268,10 +267,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", metavar="PATH", help="write every step time and the summary here")
     parser.add_argument("--quiet", action="store_true", help="do not print each round's step times")
     args = parser.parse_args(argv)
-    args.models = [m.strip() for group in args.models for m in group.split(",") if m.strip()]
-    unknown = [m for m in args.models if m not in MODELS]
-    if unknown or not args.models:
-        parser.error(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
+    args.models = model_names(parser, args.models)
     if args.steps < 1 or args.block < 1 or args.warmup < 0:
         parser.error("--steps and --block must be >= 1 and --warmup >= 0")
     return args

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 from dataclasses import asdict, dataclass
@@ -60,10 +59,12 @@ from benchmarks.common import (  # noqa: E402
     make_batch,
     make_train_step,
     max_param_diff,
+    model_names,
     parameter_summary,
     percentile,
     summarize_pair,
     verdict,
+    write_json,
 )
 from lightning_ddpx.bench.contenders import START_POWERSGD_ITER, Contender, wrap  # noqa: E402
 
@@ -361,10 +362,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
     print("\nSummary (ratio = median over same-round step pairs of candidate/baseline):")
     print("\n".join(tables), flush=True)
+    write_json(args.json, results)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
         print(f"results written to {args.json}")
     return results
 
@@ -416,10 +415,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, key, value)
     if args.quick:
         args.quiet = True
-    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = [m for m in args.models if m not in MODELS]
-    if unknown or not args.models:
-        parser.error(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
+    args.models = model_names(parser, args.models)
     if args.steps < 1 or args.block < 1:
         parser.error("--steps and --block must be >= 1")
     if args.warmup <= START_POWERSGD_ITER:

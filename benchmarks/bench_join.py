@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import time
@@ -41,8 +40,10 @@ from benchmarks.common import (  # noqa: E402
     launch,
     make_batch,
     make_train_step,
+    model_names,
     percentile,
     summarize_pair,
+    write_json,
 )
 
 
@@ -111,10 +112,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = [m for m in models if m not in MODELS]
-    if unknown:
-        parser.error(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
+    models = model_names(parser, args.models)
     rows, results = [], {"environment": environment_info(), "config": vars(args), "models": {}}
     for model in models:
         print(f"[{model}] {MODELS[model].description}: {args.steps} interleaved steps each", flush=True)
@@ -141,10 +139,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     header = ["model", "plain ms", "join() ms (ratio)", "lockstep ms (ratio)", "peer shadowing ms (ratio)"]
     print("\n" + format_table(header, rows), flush=True)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.json, results)
     return results
 
 

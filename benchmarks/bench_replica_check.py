@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 from dataclasses import dataclass
@@ -36,7 +35,9 @@ from benchmarks.common import (  # noqa: E402
     launch,
     make_batch,
     make_train_step,
+    model_names,
     percentile,
+    write_json,
 )
 
 TARGET_AT_100 = 0.01  # verification every 100 steps: under 1 % of the step time
@@ -81,10 +82,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = [m for m in models if m not in MODELS]
-    if unknown:
-        parser.error(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
+    models = model_names(parser, args.models)
     rows, results = [], {"environment": environment_info(), "config": vars(args), "models": {}}
     for model in models:
         print(f"[{model}] {MODELS[model].description}: {args.rounds} interleaved rounds", flush=True)
@@ -111,10 +109,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     header = ["model", "tensors / size", "step ms", "verify ms", "+optimizer ms",
               *(f"cost N={n}" for n in EVERY), "requires_grad check", "N=100 < 1 %"]  # fmt: skip
     print("\n" + format_table(header, rows), flush=True)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.json, results)
     return results
 
 

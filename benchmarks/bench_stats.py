@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 from dataclasses import asdict, dataclass
@@ -38,8 +37,10 @@ from benchmarks.common import (  # noqa: E402
     launch,
     make_batch,
     make_train_step,
+    model_names,
     summarize_pair,
     verdict,
+    write_json,
 )
 
 TARGET = 1.01  # statistics on: step time within 1 % of statistics off
@@ -119,10 +120,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--micro", action="store_true", help="also measure microseconds per bucket directly")
     args = parser.parse_args(argv)
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = [m for m in models if m not in MODELS]
-    if unknown:
-        parser.error(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
+    models = model_names(parser, args.models)
     rows, results = [], {"environment": environment_info(), "config": vars(args), "models": {}}
     for model in models:
         print(f"[{model}] {MODELS[model].description}: {args.steps} interleaved steps each", flush=True)
@@ -151,10 +149,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{micro['on_us']:.0f} us on: {micro['per_bucket_us']:.2f} us per bucket",
             flush=True,
         )
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.json, results)
     return results
 
 

@@ -15,12 +15,14 @@ Why these pieces exist:
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import platform
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -54,10 +56,12 @@ __all__ = [
     "make_batch",
     "make_train_step",
     "max_param_diff",
+    "model_names",
     "parameter_summary",
     "percentile",
     "summarize_pair",
     "verdict",
+    "write_json",
 ]
 
 
@@ -176,3 +180,23 @@ def environment_info() -> dict[str, Any]:
         "git_commit": commit or None,
         "time": time.strftime("%Y-%m-%d %H:%M:%S %z"),
     }
+
+
+def model_names(parser: argparse.ArgumentParser, given: str | Iterable[str]) -> list[str]:
+    """The names ``--models`` gives (comma-separated, in one string or several), each checked against
+    :data:`MODELS`: an unknown one, or none at all, stops the benchmark with the list of known ones."""
+    groups = [given] if isinstance(given, str) else list(given)
+    names = [m.strip() for group in groups for m in group.split(",") if m.strip()]
+    unknown = [m for m in names if m not in MODELS]
+    if unknown or not names:
+        what = f"unknown model(s) {unknown}" if unknown else "no model given"
+        parser.error(f"{what}; choose from {', '.join(MODELS)}")
+    return names
+
+
+def write_json(path: str | None, results: dict[str, Any]) -> None:
+    """Write a benchmark's results to ``path`` (``--json``; nothing when not given), creating its folder."""
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2)
