@@ -4,6 +4,9 @@
     python benchmarks/bench_engine.py --noop               # no-communication hook on both: compute-only
     python benchmarks/bench_engine.py --gradient-as-bucket-view --models many --steps 200 --json out.json
     python benchmarks/bench_engine.py --models many many1000 mlp transformer   # 300 and 1,000 small tensors
+    python benchmarks/bench_engine.py --world-size 3                             # three ranks
+    python benchmarks/snapshot_package.py <rev> /tmp/before                      # the package at <rev> ...
+    python benchmarks/bench_engine.py --before /tmp/before     # ... as a third contender: before/after a change
 
 Both modules train their own copy of the same model, in the same two processes, interleaved in short blocks
 (see ``benchmarks.common.interleaved_timing`` for why): the number that matters is the ratio ours/torch of
@@ -58,6 +61,7 @@ class RunConfig:
     block: int
     noop: bool
     gradient_as_bucket_view: bool
+    before: str | None  # a directory holding benchmarks/snapshot_package.py's lightning_ddpx_before
     lr: float
     seed: int
     verbose: bool
@@ -70,23 +74,27 @@ def run_rank(rank: int, world_size: int, config: RunConfig) -> dict[str, Any]:
 
     from lightning_ddpx import DistributedDataParallel as OursDDP
 
+    contenders = _contenders(config)
+    classes = {"torch": TorchDDP, "ours": OursDDP}
+    if config.before:
+        sys.path.insert(0, config.before)
+        from lightning_ddpx_before import DistributedDataParallel as BeforeDDP  # type: ignore[import-not-found]
+
+        classes["before"] = BeforeDDP
     # Subnormal floats can make CPU arithmetic 10-100x slower at random points as weights drift; flushing them
     # keeps the arithmetic cost constant so that only the data-parallel machinery differs between contenders.
     torch.set_flush_denormal(True)
-    modules = {name: build_model(config.model, config.seed) for name in CONTENDERS}
+    modules = {name: build_model(config.model, config.seed) for name in contenders}
     gbv = config.gradient_as_bucket_view
-    # Default bucket sizes and flags on both; only gradient_as_bucket_view is varied (and the same on both).
-    wrapped = {
-        "torch": TorchDDP(modules["torch"], gradient_as_bucket_view=gbv),
-        "ours": OursDDP(modules["ours"], gradient_as_bucket_view=gbv),
-    }
+    # Default bucket sizes and flags on all; only gradient_as_bucket_view is varied (and the same on all).
+    wrapped = {name: classes[name](modules[name], gradient_as_bucket_view=gbv) for name in contenders}
     if config.noop:
         for ddp in wrapped.values():
             ddp.register_comm_hook(None, noop_hook)
     batch = make_batch(config.model, rank, config.seed)
     steps = {
         name: make_train_step(wrapped[name], torch.optim.SGD(wrapped[name].parameters(), lr=config.lr), batch)
-        for name in CONTENDERS
+        for name in contenders
     }
 
     reducer = getattr(wrapped["ours"], "reducer", None)
@@ -97,7 +105,7 @@ def run_rank(rank: int, world_size: int, config: RunConfig) -> dict[str, Any]:
 
     def report_round(r: int, rounds: int, times: dict[str, list[float]]) -> None:
         if rank == 0 and config.verbose:
-            parts = [f"{name} " + " ".join(f"{1e3 * t:7.1f}" for t in times[name]) for name in CONTENDERS]
+            parts = [f"{name} " + " ".join(f"{1e3 * t:7.1f}" for t in times[name]) for name in contenders]
             print(f"  {config.model} round {r + 1:3d}/{rounds}  " + "  | ".join(parts) + "  ms", flush=True)
 
     gc.collect()
@@ -115,12 +123,16 @@ def run_rank(rank: int, world_size: int, config: RunConfig) -> dict[str, Any]:
         "times_s": times,
         "ours_exposed_comm_s": exposed_comm_s,
         # Same init, same batches, same arithmetic: the copies must still agree, or the comparison is unfair.
-        "param_max_abs_diff": max_param_diff(modules["torch"], modules["ours"]),
+        "param_max_abs_diff": max(max_param_diff(modules["torch"], modules[name]) for name in contenders[1:]),
         "param_tensors": tensors,
         "param_numel": numel,
         "ours_buckets": len(wrapped["ours"].bucket_plan()),
-        "ours_launcher": type(getattr(reducer, "_launcher", None)).__name__,
+        "ours_launcher": type(reducer.transport.launcher).__name__,
     }
+
+
+def _contenders(config: RunConfig) -> tuple[str, ...]:
+    return CONTENDERS + (("before",) if config.before else ())
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
@@ -132,7 +144,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     if args.gradient_as_bucket_view:
         mode += ", gradient_as_bucket_view=True"
     print(
-        f"lightning_ddpx vs torch DDP: 2 processes, gloo on 127.0.0.1, 1 thread each; {mode}; "
+        f"lightning_ddpx vs torch DDP: {args.world_size} processes, gloo on 127.0.0.1, 1 thread each; {mode}; "
         f"{args.steps} timed steps each after {args.warmup} warm-up, blocks of {args.block}",
         flush=True,
     )
@@ -149,11 +161,12 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             block=args.block,
             noop=args.noop,
             gradient_as_bucket_view=args.gradient_as_bucket_view,
+            before=args.before,
             lr=args.lr,
             seed=args.seed,
             verbose=not args.quiet,
         )
-        per_rank = launch(run_rank, (config,), world_size=2, timeout_s=args.timeout)
+        per_rank = launch(run_rank, (config,), world_size=args.world_size, timeout_s=args.timeout)
         rank0 = per_rank[0]
         summary = summarize_pair(rank0["times_s"]["torch"], rank0["times_s"]["ours"])
         target_ratio = TARGET_RATIOS.get(name)
@@ -169,6 +182,19 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             f"ratio {summary.ratio:.3f} [p25 {summary.ratio_p25:.3f}, p75 {summary.ratio_p75:.3f}]",
             flush=True,
         )
+        if config.before:
+            before = summarize_pair(rank0["times_s"]["torch"], rank0["times_s"]["before"])
+            after = summarize_pair(rank0["times_s"]["before"], rank0["times_s"]["ours"])
+            print(
+                f"[{name}] before/torch {before.ratio:.3f} [p25 {before.ratio_p25:.3f}, p75 {before.ratio_p75:.3f}], "
+                f"ours/before {after.ratio:.3f} [p25 {after.ratio_p25:.3f}, p75 {after.ratio_p75:.3f}]",
+                flush=True,
+            )
+            results.setdefault("before", {})[name] = {
+                "before_ms": [1e3 * t for t in rank0["times_s"]["before"]],
+                "before_vs_torch": asdict(before),
+                "ours_vs_before": asdict(after),
+            }
         if diff != 0.0:
             print(
                 f"[{name}] WARNING: torch's and our model copies differ by {diff:.3g} after the run: the two "
@@ -260,6 +286,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--gradient-as-bucket-view", action="store_true", help="pass gradient_as_bucket_view=True to both"
+    )
+    parser.add_argument("--world-size", type=int, default=2, help="ranks (default: %(default)s)")
+    parser.add_argument(
+        "--before",
+        metavar="DIR",
+        help="a third contender: lightning_ddpx_before from DIR (benchmarks/snapshot_package.py)",
     )
     parser.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)

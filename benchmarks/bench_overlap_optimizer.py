@@ -11,11 +11,10 @@ together mean something):
 - ``torch``: torch's DDP, then ``AdamW.step()`` after backward (the baseline);
 - ``ours``: our module, the same plain ``AdamW.step()`` after backward;
 - ``overlap``: our module with ``model.overlap_optimizer_with(adamw)``: each bucket's parameters step as
-  soon as the bucket is reduced, while later buckets still communicate; no ``step()`` after backward. Its
-  last bucket is reduced in chunks and its large parameter updated slice by slice as they arrive
-  (``lightning_ddpx.engine.piecewise_step``);
-- ``overlap_whole`` (with ``--compare-whole-last-bucket``): the same, with the last bucket reduced in one
-  collective and updated after it, as before the chunks: what the chunks gain, measured in the same run.
+  soon as the bucket is reduced, while later buckets still communicate; no ``step()`` after backward. On
+  the CPU its long parameters are updated slice by slice (``lightning_ddpx.engine.piecewise_step``);
+- ``overlap_whole`` (with ``--compare-unsliced``): the same, every parameter updated whole (an overlap built
+  with ``slice_bytes=None``): what the slices gain, measured in the same run.
 
 A step is zero_grad, forward, MSE loss, backward (and the step). Reported: the median and p25/p75 of
 same-round ratios ours/torch and overlap/torch, the optimizer's share of a step (``AdamW.step()`` timed
@@ -69,6 +68,7 @@ def _adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
 def run_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     """One rank: a wrapped copy of the model per contender, timed interleaved; then the optimizer alone."""
     from lightning_ddpx import DistributedDataParallel as OursDDP
+    from lightning_ddpx.engine.optimizer_overlap import OptimizerOverlap
 
     inputs, target = make_batch(config["model"], rank, config["seed"])
     contenders = CONTENDERS + (("overlap_whole",) if config["compare_whole"] else ())
@@ -78,8 +78,10 @@ def run_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     optimizers = {name: _adamw(model, config["lr"]) for name, model in wrapped.items()}
     for name in contenders[2:]:
         wrapped[name].overlap_optimizer_with(optimizers[name])
-    if config["compare_whole"]:
-        wrapped["overlap_whole"].reducer.chunk_last_bucket = False
+    if config["compare_whole"]:  # the alternative injected: an overlap that updates every parameter whole
+        reducer = wrapped["overlap_whole"].reducer
+        reducer.overlap.close()
+        reducer.set_overlap(OptimizerOverlap(optimizers["overlap_whole"], reducer, slice_bytes=None))
 
     def make_step(name: str) -> Any:
         model, optimizer = wrapped[name], optimizers[name]
@@ -129,7 +131,7 @@ def run_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
             name: 1e3 * _median([s for s, _ in v]) for name, v in inside.items()
         },
         "exposed_update_ms": {name: 1e3 * _median([s for _, s in v]) for name, v in inside.items()},
-        "last_bucket_chunks": wrapped["overlap"].reducer.last_bucket_collectives,
+        "sliced_params": wrapped["overlap"].reducer.overlap.last_sliced_params,
         "buckets": len(wrapped["overlap"].bucket_plan()),
         "parameters": parameter_summary(wrapped["torch"].module),
     }
@@ -173,8 +175,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument(
-        "--compare-whole-last-bucket", action="store_true",
-        help="a fourth contender: the overlap with its last bucket reduced in one collective (not in chunks)",
+        "--compare-unsliced", action="store_true",
+        help="a fourth contender: the overlap with every parameter updated whole (no slices)",
     )  # fmt: skip
     args = parser.parse_args(argv)
     link = args.link or "loopback"
@@ -182,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name in args.models:
         config = {"world_size": 2, "model": name, "steps": args.steps, "warmup": args.warmup,
                   "block": args.block, "lr": args.lr, "seed": args.seed,
-                  "compare_whole": args.compare_whole_last_bucket}  # fmt: skip
+                  "compare_whole": args.compare_unsliced}  # fmt: skip
         print(f"{name} over {link}: {args.steps} timed steps per contender ...", flush=True)
         rank0 = run_ranks(config, args.link, args.timeout, worker=WORKER)[0]
         times = rank0["times_s"]
@@ -193,9 +195,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         whole = summarize_pair(times["torch"], times["overlap_whole"]) if "overlap_whole" in times else None
         if whole is not None:
             print(
-                f"  overlap with the last bucket whole: overlap_whole/torch {whole.ratio:.3f} "
+                f"  overlap, every parameter whole: overlap_whole/torch {whole.ratio:.3f} "
                 f"({whole.ratio_p25:.3f}-{whole.ratio_p75:.3f}), exposed update "
-                f"{exposed['overlap_whole']:.1f} ms; in {rank0['last_bucket_chunks']} chunks: "
+                f"{exposed['overlap_whole']:.1f} ms; {rank0['sliced_params']} parameter(s) in slices: "
                 f"{overlap.ratio:.3f}, exposed {exposed['overlap']:.1f} ms",
                 flush=True,
             )

@@ -4,7 +4,7 @@
     python benchmarks/bench_stats.py --models many --steps 120 --json stats.json
 
 Two copies of the same model in the same two processes, both ``lightning_ddpx.DistributedDataParallel``
-with the default reduction; one has ``reducer.collect_stats = False``. Timed interleaved (see
+with the default reduction; one has ``reducer.stats = NoCommStats()`` (records nothing). Timed interleaved (see
 ``lightning_ddpx.bench.timing``); the ratio on/off of same-round steps is the cost. ``many`` (300 tensors,
 many buckets) is where per-bucket bookkeeping weighs most.
 
@@ -42,6 +42,7 @@ from benchmarks.common import (  # noqa: E402
     verdict,
     write_json,
 )
+from lightning_ddpx.engine.comm_stats import NoCommStats  # noqa: E402
 
 TARGET = 1.01  # statistics on: step time within 1 % of statistics off
 
@@ -62,7 +63,7 @@ def run_rank(rank: int, world_size: int, config: RunConfig) -> dict[str, Any]:
     wrapped = {}
     for name in ("stats-off", "stats-on"):
         wrapped[name] = DistributedDataParallel(build_model(config.model, config.seed))
-    wrapped["stats-off"].reducer.collect_stats = False
+    wrapped["stats-off"].reducer.stats = NoCommStats()  # the alternative injected: records nothing
     batch = make_batch(config.model, rank, config.seed)
     steps = {
         name: make_train_step(ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3), batch)
@@ -91,7 +92,7 @@ def micro_overhead(steps: int = 2000, block: int = 100) -> dict[str, float]:
             torch.manual_seed(0)
             net = nn.Sequential(*[nn.Linear(4, 4, bias=False) for _ in range(100)])
             wrapped[name] = DistributedDataParallel(net, bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6)
-        wrapped["off"].reducer.collect_stats = False
+        wrapped["off"].reducer.stats = NoCommStats()
         x = torch.randn(2, 4)
 
         def step(model: torch.nn.Module) -> None:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import lightning_ddpx
+from lightning_ddpx.engine.transport import SharedMemorySum
 
 
 def rank_batch(rank: int, step: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -98,12 +99,9 @@ def train_side_by_side(
 
 
 def default_path(model: lightning_ddpx.DistributedDataParallel) -> str:
-    """How ``model``'s default path reduces its buckets: ``shared_memory``, ``halves`` (any bucket) or
+    """How ``model``'s default path reduces its buckets: ``shared_memory`` (two CPU ranks on one machine) or
     ``whole`` (one all-reduce per bucket)."""
-    reducer = model.reducer
-    if reducer.reduces_through_shared_memory:
-        return "shared_memory"
-    return "halves" if any(reducer.reduces_in_halves(b) for b in range(len(reducer.buckets))) else "whole"
+    return "shared_memory" if isinstance(model.reducer.transport, SharedMemorySum) else "whole"
 
 
 def set_shared_memory(enabled: bool) -> None:
@@ -113,6 +111,5 @@ def set_shared_memory(enabled: bool) -> None:
 
 
 def wide_4mib_mlp() -> nn.Module:
-    """A 1024 x 1024 layer (4 MiB): with the default caps its bucket is large enough to go out as two halves
-    between two CPU ranks when shared memory is off (lightning_ddpx.engine.reducer._sum_allreduce_in_halves)."""
+    """A 1024 x 1024 layer (4 MiB): a bucket as large as the default cap's, larger than any slot alignment."""
     return nn.Sequential(nn.Linear(16, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 4))

@@ -205,7 +205,7 @@ def test_the_communication_thread_hands_results_over_on_its_own_stream(monkeypat
 def test_the_reducer_gives_the_communication_thread_its_device(monkeypatch):
     """A hook run on the communication thread gets a launcher for the parameters' device (whose futures
     carry CUDA events on a GPU), and the results still arrive (one rank: the gradients themselves)."""
-    from lightning_ddpx.engine import reducer as reducer_module
+    from lightning_ddpx.engine import transport as transport_module
     from tests.dist_utils import one_rank_group
 
     devices: list[torch.device | None] = []
@@ -215,7 +215,7 @@ def test_the_reducer_gives_the_communication_thread_its_device(monkeypatch):
             devices.append(device)
             super().__init__(name, device)
 
-    monkeypatch.setattr(reducer_module, "SequencedLauncher", Recording)
+    monkeypatch.setattr(transport_module, "SequencedLauncher", Recording)
 
     def chained(state: Any, bucket: Any) -> torch.futures.Future:  # not marked: runs on the thread
         group = state

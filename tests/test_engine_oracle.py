@@ -149,7 +149,7 @@ def test_no_sync_accumulation_matches_torch(name: str) -> None:
     run_distributed(run_scenario, 2, name, 3)
 
 
-# ------------------------------------------------------- large buckets: shared memory, or gloo in halves
+# ---------------------------------------------------- large buckets: shared memory, or one gloo all-reduce
 BIG_SCENARIOS: dict[str, dict] = {
     "plain": {},
     "as_view": {"gradient_as_bucket_view": True},
@@ -197,20 +197,20 @@ def test_shared_memory_sums_are_bit_identical_to_torch(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(BIG_SCENARIOS))
-def test_large_buckets_in_halves_are_bit_identical_to_torch(name: str) -> None:
-    results = run_distributed(run_big, 2, name, 1, False, False)  # shared memory off: gloo in halves
-    assert [result["path"] for result in results] == ["halves"] * 2
+def test_large_buckets_over_gloo_are_bit_identical_to_torch(name: str) -> None:
+    results = run_distributed(run_big, 2, name, 1, False, False)  # shared memory off: gloo
+    assert [result["path"] for result in results] == ["whole"] * 2
 
 
-@pytest.mark.parametrize("shared_memory", [True, False], ids=["shared_memory", "halves"])
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shared_memory", "gloo"])
 def test_large_buckets_under_no_sync_accumulation(shared_memory: bool) -> None:
     results = run_distributed(run_big, 2, "plain", 3, False, shared_memory)
-    assert [result["path"] for result in results] == ["shared_memory" if shared_memory else "halves"] * 2
+    assert [result["path"] for result in results] == ["shared_memory" if shared_memory else "whole"] * 2
 
 
 def test_large_buckets_stay_whole_with_three_ranks_or_a_registered_hook() -> None:
-    """Three ranks: gloo's ring would sum in another order than a + b (no halves, no shared memory); a
-    registered hook must see whole buckets and run its own collectives. Both keep one gloo collective per
+    """Three ranks: gloo's ring would sum in another order than a + b (no shared memory); a registered hook
+    must see whole buckets and run its own collectives. Both keep one gloo collective per
     bucket and match torch."""
     for result in run_distributed(run_big, 3, "plain"):
         assert result["path"] == "whole"

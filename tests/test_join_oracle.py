@@ -108,17 +108,17 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "mlp_as_view": {"kwargs": {"gradient_as_bucket_view": True}},
     "allreduce_hook": {"hook": ("allreduce", default_hooks.allreduce_hook)},
     "fp16_hook": {"hook": ("fp16", default_hooks.fp16_compress_hook), "tolerance": 1e-3},
-    # large buckets between two ranks: summed through shared memory, or (shared memory off) gloo in halves
+    # large buckets between two ranks: summed through shared memory, or (shared memory off) by gloo
     "big_shared_memory": {
         "build": wide_4mib_mlp,
         "kwargs": {"bucket_cap_mb": 25, "first_bucket_cap_mb": 1},
         "path": "shared_memory",
     },
-    "big_halves": {
+    "big_gloo": {
         "build": wide_4mib_mlp,
         "kwargs": {"bucket_cap_mb": 25, "first_bucket_cap_mb": 1},
         "shared_memory": False,
-        "path": "halves",
+        "path": "whole",
     },
 }
 

@@ -28,10 +28,10 @@ SMALL_BUCKETS = {
     "bucket_cap_mb": 0.001,
     "first_bucket_cap_mb": 0.0002,
 }  # ~262 and ~52 floats: 3 buckets of mlp()
-# The overlap's last bucket becomes [fc1.weight, scale] of ScaledInput, reduced in 5 chunks of <= 3072
-# elements (the first cap's 2621 floats, rounded up to 1024): fc1.weight is cut in 4 slices, scale is whole;
-# fc2.weight (20,480 elements, bucket 0) is updated in 7 slices of that size.
-CHUNKED_BUCKETS = {"first_bucket_cap_mb": 0.01, "bucket_cap_mb": 1.0}
+# The overlap's last bucket becomes [fc1.weight, scale] of ScaledInput; fc1.weight and fc2.weight (20,480
+# elements, bucket 0) are longer than a slice (the first cap's 2621 floats, rounded up to 1024) and are
+# updated slice by slice; scale is whole.
+SLICED_BUCKETS = {"first_bucket_cap_mb": 0.01, "bucket_cap_mb": 1.0}
 STEPS = 6
 TOLERANCE = 1e-6
 
@@ -171,7 +171,6 @@ def side_by_side(
         out["buckets"] = max(out["buckets"], len(ours.bucket_plan()))
         overlap = ours.reducer.overlap
         out["sliced"] = max(out["sliced"], overlap.last_sliced_params if overlap is not None else 0)
-    out["chunked"] = ours.reducer.reduces_last_bucket_in_chunks
     out["debug"] = ours.reducer.progress.debug
     out["moved"] = max((a - p).abs().max().item() for a, p in zip(start, ours.module.parameters()))
     out["lr"] = [g["lr"] for g in opt_ours.param_groups]
@@ -181,11 +180,11 @@ def side_by_side(
 
 
 def joined_on_uneven_inputs() -> dict[str, Any]:
-    """join() with the chunked last bucket: rank 1 runs out after 3 of 6 steps and shadows the rest, so its
-    shadow collectives must be the active rank's chunks. Ours (overlap) vs torch's DDP join (plain step)."""
+    """join() with long parameters updated in slices: rank 1 runs out after 3 of 6 steps and shadows the rest,
+    so its shadow collectives must be the active rank's buckets. Ours (overlap) vs torch's DDP join (plain step)."""
     torch.manual_seed(0)
     base = ScaledInput()
-    ours = lightning_ddpx.DistributedDataParallel(copy.deepcopy(base), **CHUNKED_BUCKETS)
+    ours = lightning_ddpx.DistributedDataParallel(copy.deepcopy(base), **SLICED_BUCKETS)
     theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=1.0)
     opt_ours, opt_theirs = adamw_two_groups(ours.module), adamw_two_groups(theirs.module)
     ours.overlap_optimizer_with(opt_ours)
@@ -206,7 +205,6 @@ def joined_on_uneven_inputs() -> dict[str, Any]:
         "state": max_state_diff(opt_ours, opt_theirs),
         "buckets": len(ours.bucket_plan()),
         "sliced": sliced,
-        "chunked": ours.reducer.reduces_last_bucket_in_chunks,
         "moved": max((a - p).abs().max().item() for a, p in zip(start, ours.module.parameters())),
         "has_state": len(opt_ours.state) > 0,
     }
@@ -283,37 +281,37 @@ SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     ),
     "static_graph": lambda: side_by_side(mlp, adamw_two_groups, {**SMALL_BUCKETS, "static_graph": True}),
     "state_reloaded": lambda: side_by_side(mlp, adamw_two_groups, SMALL_BUCKETS, reload_state_at=3),
-    # the last bucket reduced in chunks, its large parameter stepped slice by slice (engine.piecewise_step)
-    "chunked_sgd": lambda: side_by_side(ScaledInput, lambda m: sgd(m.parameters()), CHUNKED_BUCKETS),
-    "chunked_adamw_groups_scheduler": lambda: side_by_side(
-        ScaledInput, adamw_two_groups, CHUNKED_BUCKETS,
+    # long parameters stepped slice by slice (engine.piecewise_step), the last bucket's included
+    "sliced_sgd": lambda: side_by_side(ScaledInput, lambda m: sgd(m.parameters()), SLICED_BUCKETS),
+    "sliced_adamw_groups_scheduler": lambda: side_by_side(
+        ScaledInput, adamw_two_groups, SLICED_BUCKETS,
         scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5),
     ),
-    "chunked_as_bucket_view": lambda: side_by_side(
-        ScaledInput, adamw_two_groups, {**CHUNKED_BUCKETS, "gradient_as_bucket_view": True}
+    "sliced_as_bucket_view": lambda: side_by_side(
+        ScaledInput, adamw_two_groups, {**SLICED_BUCKETS, "gradient_as_bucket_view": True}
     ),
-    "chunked_state_reloaded": lambda: side_by_side(
-        ScaledInput, adamw_two_groups, CHUNKED_BUCKETS, reload_state_at=3
+    "sliced_state_reloaded": lambda: side_by_side(
+        ScaledInput, adamw_two_groups, SLICED_BUCKETS, reload_state_at=3
     ),
-    "chunked_accumulate_no_sync": lambda: side_by_side(
-        ScaledInput, lambda m: sgd(m.parameters()), CHUNKED_BUCKETS, accumulate=3
+    "sliced_accumulate_no_sync": lambda: side_by_side(
+        ScaledInput, lambda m: sgd(m.parameters()), SLICED_BUCKETS, accumulate=3
     ),
-    "chunked_scale_not_optimized": lambda: side_by_side(
-        ScaledInput, lambda m: sgd(p for n, p in m.named_parameters() if n != "scale"), CHUNKED_BUCKETS
+    "sliced_scale_not_optimized": lambda: side_by_side(
+        ScaledInput, lambda m: sgd(p for n, p in m.named_parameters() if n != "scale"), SLICED_BUCKETS
     ),
-    "chunked_join_uneven": joined_on_uneven_inputs,
-    "chunked_debug": lambda: side_by_side(ScaledInput, adamw_two_groups, CHUNKED_BUCKETS, debug=True),
-    # a registered hook sees whole buckets: no chunks, but long parameters are still updated in slices
-    "sliced_fp16_hook": lambda: side_by_side(ScaledInput, adamw_two_groups, CHUNKED_BUCKETS, fp16_hooks=True),
-    "chunked_static_graph": lambda: side_by_side(
-        ScaledInput, adamw_two_groups, {**CHUNKED_BUCKETS, "static_graph": True}
+    "sliced_join_uneven": joined_on_uneven_inputs,
+    "sliced_debug": lambda: side_by_side(ScaledInput, adamw_two_groups, SLICED_BUCKETS, debug=True),
+    # a registered hook: long parameters are updated in slices just the same
+    "sliced_fp16_hook": lambda: side_by_side(ScaledInput, adamw_two_groups, SLICED_BUCKETS, fp16_hooks=True),
+    "sliced_static_graph": lambda: side_by_side(
+        ScaledInput, adamw_two_groups, {**SLICED_BUCKETS, "static_graph": True}
     ),
-    "chunked_find_unused": lambda: side_by_side(
-        ScaledInput, adamw_two_groups, {**CHUNKED_BUCKETS, "find_unused_parameters": True}
+    "sliced_find_unused": lambda: side_by_side(
+        ScaledInput, adamw_two_groups, {**SLICED_BUCKETS, "find_unused_parameters": True}
     ),
-    # Adafactor's factored statistics are not elementwise: fc1.weight steps whole with its last chunk
-    "chunked_adafactor_whole": lambda: side_by_side(
-        ScaledInput, lambda m: torch.optim.Adafactor(m.parameters(), lr=1e-2), CHUNKED_BUCKETS
+    # Adafactor's factored statistics are not elementwise: long parameters step whole
+    "sliced_adafactor_whole": lambda: side_by_side(
+        ScaledInput, lambda m: torch.optim.Adafactor(m.parameters(), lr=1e-2), SLICED_BUCKETS
     ),
 }  # fmt: skip
 
@@ -347,17 +345,12 @@ def test_same_parameters_and_state_as_torch_ddp(outcomes: list[dict[str, Any]], 
         assert result["state"] <= TOLERANCE, (
             f"rank {rank} {name}: optimizer state differs by {result['state']}"
         )
-        if name.startswith("chunked_"):
-            assert result["chunked"], f"rank {rank} {name}: the last bucket was not reduced in chunks"
-            # fc1.weight as its chunks arrive, fc2.weight (bucket 0) in cache-sized slices; never in a first
-            # step (no state yet), never with Adafactor (not elementwise)
+        if name.startswith("sliced_"):
+            # fc1.weight (the last bucket) and fc2.weight (bucket 0) in cache-sized slices on the CPU; never in
+            # a first step (no state yet), never with Adafactor (not elementwise)
             expected = 0 if name.endswith("_whole") else 2
             assert result["sliced"] == expected, f"rank {rank} {name}: {result['sliced']} parameter(s) sliced"
-        elif name.startswith("sliced_"):
-            assert not result["chunked"], f"rank {rank} {name}: a registered hook must get whole buckets"
-            assert result["sliced"] == 2, f"rank {rank} {name}: {result['sliced']} parameter(s) sliced"
         else:
-            assert not result["chunked"], f"rank {rank} {name}: the last bucket is too small to chunk"
             assert result["sliced"] == 0, f"rank {rank} {name}: no parameter is longer than a slice"
         if name.endswith("_debug"):
             assert result["debug"], f"rank {rank}: DDPX_DEBUG was not on"

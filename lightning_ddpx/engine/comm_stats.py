@@ -12,9 +12,15 @@ hide. Recording is a few additions and two clock reads per bucket; nothing is lo
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Callable
 
-__all__ = ["StepCommStats", "CommStatsSummary", "CommStatsWindow"]
+import torch
+
+from lightning_ddpx.engine.profiling import label
+
+__all__ = ["CommStatsRecorder", "CommStatsSummary", "CommStatsWindow", "NoCommStats", "StepCommStats"]
 
 
 @dataclass(frozen=True)
@@ -115,3 +121,68 @@ class CommStatsWindow:
         )
         self._reset()
         return summary
+
+
+class CommStatsRecorder:
+    """The reducer's statistics of the current synchronised step, and of the steps before it.
+
+    Per bucket: :meth:`timed` wraps the hook's call (bytes handed over, seconds inside it); the hooks report
+    what their collectives carried into :attr:`sent_log`. The lists are appended to from whichever thread
+    runs the hook (appends are atomic)."""
+
+    def __init__(self) -> None:
+        self.last: StepCommStats | None = None
+        self.window = CommStatsWindow()
+        self.begin()
+
+    def begin(self) -> None:
+        """A new iteration: nothing recorded yet."""
+        self._bytes_to_hook = 0
+        self.sent_log: list[int] | None = []
+        self._hook_seconds: list[float] = []
+
+    def timed(
+        self, call: Callable[[], torch.futures.Future], nbytes: int
+    ) -> Callable[[], torch.futures.Future]:
+        """``call`` (a hook on one bucket of ``nbytes``), timed into this iteration's statistics."""
+        self._bytes_to_hook += nbytes
+        hook_seconds = self._hook_seconds  # this iteration's list, wherever (whichever thread) the call runs
+
+        def call_hook() -> torch.futures.Future:
+            started = time.perf_counter()
+            try:
+                with label("lightning_ddpx::comm_hook"):
+                    return call()
+            finally:
+                hook_seconds.append(time.perf_counter() - started)
+
+        return call_hook
+
+    def finish(self, iteration: int, buckets: int, exposed_comm_s: float) -> None:
+        """The synchronised iteration ``iteration`` completed: keep its statistics."""
+        sent = self.sent_log
+        self.last = StepCommStats(
+            iteration=iteration,
+            buckets=buckets,
+            bytes_to_hook=self._bytes_to_hook,
+            bytes_sent=sum(sent) if sent else None,
+            hook_s=sum(self._hook_seconds),
+            exposed_comm_s=exposed_comm_s,
+        )
+        self.window.add(self.last)
+
+
+class NoCommStats(CommStatsRecorder):
+    """Records nothing: what a benchmark hands the reducer to measure what recording costs
+    (``benchmarks/bench_stats.py``)."""
+
+    def begin(self) -> None:
+        self.sent_log = None
+
+    def timed(
+        self, call: Callable[[], torch.futures.Future], nbytes: int
+    ) -> Callable[[], torch.futures.Future]:
+        return call
+
+    def finish(self, iteration: int, buckets: int, exposed_comm_s: float) -> None:
+        pass

@@ -23,11 +23,12 @@ On the CPU (gloo) there are no streams and every function here is a no-op. On CU
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Iterable, Optional, TypeVar
+from typing import Callable, ContextManager, Iterable, Optional, Sequence, TypeVar
 
 import torch
 
 __all__ = [
+    "GradientStreams",
     "comm_thread_stream",
     "current_stream",
     "on_stream",
@@ -93,3 +94,60 @@ def comm_thread_stream(device: torch.device) -> Optional["torch.cuda.Stream"]:
         return None
     torch.cuda.set_device(device)
     return torch.cuda.Stream(device)
+
+
+class GradientStreams:
+    """CUDA: the stream that produced each parameter's gradient in this backward (``None``: not produced,
+    or not on CUDA), so that a bucket's launch stream is ordered after all of them."""
+
+    def __init__(self, count: int) -> None:
+        self._producer: list[Optional["torch.cuda.Stream"]] = [None] * count
+
+    def note(self, index: int, param: torch.nn.Parameter, view: torch.Tensor | None) -> None:
+        """Parameter ``index``'s gradient was just produced, on the current stream: remember that stream.
+        With bucket views (``view``), copy the gradient into its view on that stream now (the tensor autograd
+        made is freed right after, so the copy must not outlive it on another stream). On the CPU, views
+        adopt their gradients in one batched copy at launch instead."""
+        self._producer[index] = torch.cuda.current_stream(param.device)
+        if view is not None and param.grad is not view:
+            with torch.no_grad():
+                view.copy_(param.grad)
+            param.grad = view
+
+    def forget(self, index: int) -> None:
+        """Parameter ``index`` has no gradient from this backward (a kept one is copied on the launch stream)."""
+        self._producer[index] = None
+
+    def others(
+        self, indices: Iterable[int], stream: Optional["torch.cuda.Stream"]
+    ) -> list["torch.cuda.Stream"]:
+        """Streams other than ``stream`` that produced gradients of these parameters (usually none)."""
+        if stream is None:
+            return []
+        producers = self._producer
+        return [producers[i] for i in indices if producers[i] is not None and producers[i] != stream]
+
+    @torch.no_grad()
+    def copy_on_producers(
+        self,
+        indices: Sequence[int],
+        params: Sequence[torch.nn.Parameter],
+        views: Sequence[torch.Tensor],
+        scale: float | None,
+        stream: "torch.cuda.Stream",
+    ) -> None:
+        """Gradients from several streams: copy each into its view on the stream that produced it, then make
+        ``stream`` wait for those streams (GPU events, no host synchronisation)."""
+        producers = []
+        for index, param, view in zip(indices, params, views):
+            if param.grad is None:
+                view.zero_()
+                continue
+            producer = self._producer[index]
+            producers.append(producer)
+            with torch.cuda.stream(producer):
+                if scale is None:
+                    view.copy_(param.grad)
+                else:
+                    torch.mul(param.grad, scale, out=view)
+        wait_streams(stream, producers)

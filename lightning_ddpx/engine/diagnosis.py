@@ -20,7 +20,7 @@ import threading
 import time
 import weakref
 from datetime import timedelta
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -29,10 +29,13 @@ from lightning_ddpx._compat.torch import default_store, process_group_store
 from lightning_ddpx.engine.errors import CommunicationError
 from lightning_ddpx.engine.exit_threads import stop_at_exit
 
+T = TypeVar("T")
+
 __all__ = [
     "DEBUG_ENV",
     "PROGRESS_INTERVAL_S",
     "CollectiveMismatchError",
+    "checked_call",
     "ProgressBoard",
     "check_same_sequence",
     "debug_enabled",
@@ -298,3 +301,20 @@ def _differs(row: list[int], reference: list[int]) -> bool:
 
 def dtype_code(dtype: torch.dtype) -> int:
     return _DTYPE_CODES.get(dtype, 99)
+
+
+def checked_call(
+    call: Callable[[], T],
+    process_group: dist.ProcessGroup,
+    device: torch.device,
+    signature: Sequence[int],
+    what: str,
+) -> Callable[[], T]:
+    """``call`` preceded by :func:`check_same_sequence` of ``signature`` (DDPX_DEBUG): every rank must be
+    about to do the same thing, ``what``."""
+
+    def checked() -> T:
+        check_same_sequence(process_group, device, signature, what)
+        return call()
+
+    return checked

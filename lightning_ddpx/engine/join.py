@@ -30,12 +30,18 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
 from lightning_ddpx._compat.torch import JoinConfig
+from lightning_ddpx.engine.buckets import param_views
+from lightning_ddpx.engine.cuda_streams import current_stream, on_stream
 from lightning_ddpx.engine.errors import waiting_for
+from lightning_ddpx.engine.grad_bucket import GradBucket
+from lightning_ddpx.engine.profiling import label
+from lightning_ddpx.engine.reducer import Phase, Reducer
+from lightning_ddpx.engine.sparse import empty_sparse_like
 
 if TYPE_CHECKING:
     from lightning_ddpx.engine.module import DistributedDataParallel
 
-__all__ = ["DDPXJoinHook", "JoinRound", "announce", "broadcast_from"]
+__all__ = ["DDPXJoinHook", "JoinRound", "announce", "broadcast_from", "shadow_reduction"]
 
 # Rows of the per-forward announcement; one column per rank.
 _ACTIVE, _SYNC, _VERIFY, _REBUILD, _BUFFERS, _BITMAP = range(6)
@@ -120,7 +126,7 @@ class DDPXJoinHook(JoinHook):
             ):
                 broadcast_from(list(module.module.buffers()), module.process_group, round_.buffers_src)
         if round_.syncing:
-            reducer.shadow_reduction(bitmap=round_.bitmap)
+            shadow_reduction(reducer, bitmap=round_.bitmap)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank ends with the model of the last rank to join (ties: the highest such rank)."""
@@ -135,6 +141,51 @@ class DDPXJoinHook(JoinHook):
             if module.broadcast_buffers:
                 tensors += list(module.module.buffers())
             broadcast_from(tensors, module.process_group, src)
+
+
+def shadow_reduction(reducer: Reducer, bitmap: bool) -> None:
+    """Reduce one iteration with zero gradients, as a rank that has joined.
+
+    Every bucket goes through the reducer's transport, in bucket order, exactly like a real backward, then
+    the used-parameter bitmap (all zeros) when the active ranks share theirs (``bitmap``); results are
+    discarded.
+    """
+    if reducer.phase is not Phase.IDLE:
+        raise RuntimeError("lightning_ddpx: a joined rank cannot shadow while its own backward is reducing")
+    transport, buckets = reducer.transport, reducer.buckets
+    launched: list[tuple[int, torch.futures.Future]] = []
+    transport.begin_reduction()  # as the active ranks' transports do when their backward starts
+    with label("lightning_ddpx::join_shadow"):
+        for b, bucket in enumerate(buckets):
+            if bucket.spec.sparse:
+                zeros, views = empty_sparse_like(bucket.params[0]), []
+            else:
+                zeros = torch.zeros_like(bucket.buffer)
+                views = param_views(zeros, bucket.spec, bucket.params)
+            grad_bucket = GradBucket(
+                b, zeros, views, bucket.params, b == len(buckets) - 1, names=bucket.names
+            )
+            reducer.progress.record(
+                "bucket {} of {} ({}), shadowing (joined)", b, len(buckets), transport.name
+            )
+            call = on_stream(current_stream(zeros.device), lambda gb=grad_bucket: transport.shadow(gb))
+            if reducer.progress.debug:  # counted as if this rank ran the forward it shadows
+                call = reducer.debug_checked(call, b, (reducer.forwards_armed + 1, reducer.reductions + 1))
+            launched.append((b, transport.launcher.submit(call)))
+        used = reducer.launch_used_bitmap() if bitmap else None
+        for b, future in launched:
+            what = (
+                f"bucket {b} (parameters {buckets[b].short_names()}), shadowed with zeros by this joined rank"
+            )
+            with waiting_for(what, reducer.process_group):
+                future.wait()
+        if used is not None:
+            with waiting_for(
+                "the used-parameter bitmap, shadowed by this joined rank", reducer.process_group
+            ):
+                used.wait()
+    reducer.forwards_armed += 1
+    reducer.reductions += 1
 
 
 @torch.no_grad()

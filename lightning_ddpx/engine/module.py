@@ -502,15 +502,16 @@ class DistributedDataParallel(nn.Module, Joinable):
                          "gradient_as_bucket_view", "broadcast_buffers", "static_graph")
         }  # fmt: skip
         settings["comm_hook"] = (
-            _qualified_name(self.reducer.hook) if self._hook_registered else "None (mean allreduce)"
+            _qualified_name(self.reducer.transport.hook) if self._hook_registered else "None (mean allreduce)"
         )
+        settings["transport"] = self.reducer.transport.describe()  # the collectives each bucket takes
         settings["overlap_optimizer"] = repr(self.reducer.overlap is not None)  # it changes the bucket plan
         # sparse embeddings get buckets of their own: a different sparse flag on one rank means other buckets
         settings["sparse gradients"] = repr(
             [name for name, sparse in zip(self.reducer.names, self.reducer.sparse_gradients) if sparse]
         )
         if self._hook_registered:
-            settings.update(_hook_state_settings(self.reducer.hook_state))
+            settings.update(_hook_state_settings(self.reducer.transport.state))
         return settings
 
     def close(self) -> None:
@@ -601,7 +602,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         check_comm_hook(hook)
         if self._hook_registered:
             raise RuntimeError(
-                f"lightning_ddpx: a communication hook ({_describe(self.reducer.hook)}) is already registered; "
+                f"lightning_ddpx: a communication hook ({_describe(self.reducer.transport.hook)}) is already registered; "
                 "register_comm_hook can only be called once. Build a new DistributedDataParallel to change it. "
                 "(torch: register_comm_hook or register_builtin_comm_hook can only be called once.)"
             )
@@ -645,7 +646,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self.static_graph:
             settings["static_graph"] = 1
         if self._hook_registered:
-            settings["comm_hook"] = _describe(self.reducer.hook)
+            settings["comm_hook"] = _describe(self.reducer.transport.hook)
         return settings
 
     def _rebuilt_plan(self) -> list[BucketInfo] | None:
@@ -658,11 +659,11 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     @property
     def comm_hook(self) -> CommHook | None:
-        return self.reducer.hook if self._hook_registered else None
+        return self.reducer.transport.hook if self._hook_registered else None
 
     @property
     def comm_hook_state(self) -> Any:
-        return self.reducer.hook_state if self._hook_registered else None
+        return self.reducer.transport.state if self._hook_registered else None
 
     # ------------------------------------------------------------------------------ optimizer overlap
     def overlap_optimizer_with(self, optimizer: torch.optim.Optimizer | None) -> None:
@@ -739,11 +740,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         Bytes handed to the hook, bytes its collectives sent (if the hook reports them, as every built-in
         hook does), time inside hook calls and exposed communication; see :mod:`lightning_ddpx.engine.comm_stats`.
         """
-        return self.reducer.last_step_stats
+        return self.reducer.stats.last
 
     def take_comm_stats(self) -> CommStatsSummary | None:
         """Per-step means since the previous call (``None`` if no step synchronised since); starts anew."""
-        return self.reducer.stats_window.take()
+        return self.reducer.stats.window.take()
 
 
 def _validate_arguments(module: Any, bucket_cap_mb: float, first_bucket_cap_mb: float) -> None:

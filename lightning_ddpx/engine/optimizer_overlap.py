@@ -6,9 +6,13 @@ does ``optimizer.step()`` update all parameters. With :meth:`DistributedDataPara
 buckets in launch order: wait for bucket ``b``, write its gradients into ``param.grad``, step the optimizer for
 its parameters -- while buckets ``b+1 ...`` are still being reduced on the communication threads. The update
 of the early buckets then hides behind the communication of the late ones. The last bucket, with nothing
-left to hide behind, is reduced in chunks on the CPU default path and updated chunk by chunk as they arrive
-(:class:`_ChunkedBucket`), and parameters longer than the first bucket's cap are updated in cache-sized
-slices (:mod:`lightning_ddpx.engine.piecewise_step`): same values, less exposed and faster.
+left to hide behind, is planned small (the first bucket's cap). On the CPU, parameters longer than that cap
+are updated in cache-sized slices (:mod:`lightning_ddpx.engine.piecewise_step`): same values, faster where
+measured (docs/benchmarks.md); on CUDA, where it is not measured, they are updated whole.
+
+The overlap talks to the reducer through the interface :meth:`~lightning_ddpx.engine.reducer.Reducer._finalize`
+uses itself: wait for bucket ``b`` (``wait_bucket``), write it back (``write_back``), the used-parameter
+counts (``used_counts``).
 
 Why a *view* of the user's optimizer rather than a second optimizer (torch's private
 ``_register_fused_optim`` builds a functional copy with its own state):
@@ -42,9 +46,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from lightning_ddpx._compat.torch import foreach_copy_, global_optimizer_hooks_once
+from lightning_ddpx._compat.torch import global_optimizer_hooks_once
 from lightning_ddpx.engine.bucketing import chunk_ranges
-from lightning_ddpx.engine.errors import waiting_for
 from lightning_ddpx.engine.piecewise_step import PiecewiseStep, optimizer_view, steps_in_pieces
 from lightning_ddpx.engine.profiling import label
 
@@ -156,10 +159,18 @@ class OptimizerOverlap:
     user's ``optimizer.step()`` raises (it would apply the update twice).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, reducer: Reducer) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, reducer: Reducer, slice_bytes: int | None | str = "auto"
+    ) -> None:
         check_overlappable(optimizer, reducer.params, reducer.names)
         self.optimizer = optimizer
         self.reducer = reducer
+        # Parameters longer than this are updated slice by slice ("auto": the first bucket's cap on the CPU,
+        # where slices were measured to pay; never on CUDA, where they are not measured; None: never).
+        if slice_bytes == "auto":
+            on_cpu = all(p.device.type == "cpu" for p in reducer.params)
+            slice_bytes = reducer.first_cap_bytes if on_cpu else None
+        self.slice_bytes: int | None = slice_bytes  # type: ignore[assignment]
         self.last_optimizer_s = 0.0  # time spent in bucket steps in the last synchronised backward
         # parameters updated slice by slice (engine.piecewise_step) in the last synchronised backward
         self.last_sliced_params = 0
@@ -178,7 +189,7 @@ class OptimizerOverlap:
     @property
     def stepped(self) -> bool:
         """Whether the last synchronised backward stepped the optimizer and no forward ran since."""
-        return self.reducer._synced_since_forward
+        return self.reducer.synced_since_forward
 
     def _refuse_second_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.stepped:
@@ -197,9 +208,10 @@ class OptimizerOverlap:
         and per parameter lists of the groups (``add_param_group`` changes them)."""
         groups = self.optimizer.param_groups
         # the objects themselves, compared by identity: a list freed by a rebuild could lend its id to a new one
-        key = (self.reducer.buckets, *(g["params"] for g in groups), *(len(g["params"]) for g in groups))
+        key = (self.reducer.layout, *(g["params"] for g in groups), *(len(g["params"]) for g in groups))
         if not _unchanged(key, self._plan_key):
-            bucket_of = {id(p): self.reducer._bucket_of[i] for i, p in enumerate(self.reducer.params)}
+            layout = self.reducer.layout
+            bucket_of = {id(p): layout.bucket_of[i] for i, p in enumerate(self.reducer.params)}
             plan: list[list[tuple[int, list[torch.nn.Parameter]]]] = [[] for _ in self.reducer.buckets]
             for g, group in enumerate(groups):
                 per_bucket: dict[int, list[torch.nn.Parameter]] = {}
@@ -232,70 +244,43 @@ class OptimizerOverlap:
     def _write_back_and_step(self, globally_used: torch.futures.Future | None) -> float:
         reducer = self.reducer
         plan, view, groups = self._groups_per_bucket(), self._view(), self.optimizer.param_groups
-        known_counts = reducer.static.globally_used if reducer.static is not None else None
-        if globally_used is not None:
-            known_counts = None
-        locally_used, index_of = reducer._locally_used, reducer._index_of
+        known_counts = reducer.used_counts(None)  # a static graph's record, else None (all used)
+        used, index_of = reducer.locally_used, reducer.index_of  # per parameter index; parameter -> index
+
+        def locally_used(param: torch.nn.Parameter) -> bool:
+            return bool(used[index_of[id(param)]])
+
         waited = stepping = 0.0
         deferred: list[tuple[int, torch.Tensor]] = []
-        last = len(reducer.buckets) - 1
         self.last_sliced_params = 0
         for b in range(len(reducer.buckets)):
-            if b == last and reducer.reduces_last_bucket_in_chunks and not reducer._unused_in_bucket[b]:
-                chunk_waited, chunk_stepping = self._write_back_and_step_by_chunks(b, groups, plan[b])
-                waited, stepping = waited + chunk_waited, stepping + chunk_stepping
-                continue
             started = time.perf_counter()
-            result = reducer._result_of(b)
+            result = reducer.wait_bucket(b)
             self._last_arrival = time.perf_counter()
             waited += self._last_arrival - started
-            if globally_used is None or not reducer._unused_in_bucket[b]:
-                with torch.no_grad():  # every parameter of the bucket is known to be used somewhere
-                    reducer._write_back_bucket(b, result, known_counts)
+            if globally_used is None or reducer.bucket_all_used(b):
+                reducer.write_back(b, result, known_counts)  # every parameter is known to be used somewhere
                 members = plan[b]
             else:  # only this rank's used parameters are known to be used somewhere
-                with torch.no_grad():
-                    reducer._write_back_bucket(b, result, locally_used)
-                members = _subset(plan[b], lambda p: locally_used[index_of[id(p)]])
+                reducer.write_back(b, result, used)
+                members = _subset(plan[b], locally_used)
                 deferred.append((b, result))
             stepping += self._step(view, groups, members)
         if globally_used is not None:
             started = time.perf_counter()
-            with waiting_for("the used-parameter bitmap (find_unused_parameters)", reducer.process_group):
-                counts = globally_used.wait()[0].tolist()
+            counts = reducer.used_counts(globally_used)
             self._last_arrival = time.perf_counter()
             waited += self._last_arrival - started
-            if reducer.static is not None:
-                reducer.static.record(counts)
-            rest = [0 if locally_used[i] else count for i, count in enumerate(counts)]
+            assert counts is not None
+            rest = [0 if used[i] else count for i, count in enumerate(counts)]
             for b, result in deferred:
-                with torch.no_grad():
-                    reducer._write_back_bucket(b, result, rest)
-                stepping += self._step(
-                    view, groups, _subset(plan[b], lambda p: not locally_used[index_of[id(p)]])
-                )
+                reducer.write_back(b, result, rest)
+                stepping += self._step(view, groups, _subset(plan[b], lambda p: not locally_used(p)))
         self.last_optimizer_s = stepping
         self.last_exposed_update_s = time.perf_counter() - self._last_arrival
         if hasattr(self.optimizer.step, "_wrapped_by_lr_sched"):
             self.optimizer._opt_called = True  # type: ignore[attr-defined]  # an LR scheduler's "step ran" mark
         return waited
-
-    def _write_back_and_step_by_chunks(
-        self, b: int, groups: list[dict[str, Any]], members: list[tuple[int, list[torch.nn.Parameter]]]
-    ) -> tuple[float, float]:
-        """The last bucket, reduced in chunks (every parameter used on this rank): as each chunk arrives,
-        write its gradients back and update what it completes (:class:`_ChunkedBucket`). Returns (seconds
-        waited, seconds stepping)."""
-        bucket = _ChunkedBucket(self, b, groups, members)
-        waited = stepping = 0.0
-        for start, end, waited_s in self.reducer.reduced_chunks_of_last():
-            waited += waited_s
-            started = self._last_arrival = time.perf_counter()
-            whole = bucket.arrived(start, end)
-            stepping += time.perf_counter() - started
-            stepping += self._step(self._view(), groups, whole)
-        self.last_sliced_params += bucket.sliced
-        return waited, stepping
 
     def _step(
         self, view: torch.optim.Optimizer, groups: list[dict[str, Any]], members: list[tuple[int, list[Any]]]
@@ -318,7 +303,9 @@ class OptimizerOverlap:
 
     def _stepped_in_slices(self, group: dict[str, Any], param: torch.nn.Parameter) -> bool:
         """Update ``param`` slice by slice if it is long enough and qualifies; whether it was."""
-        slice_numel = self.reducer.slice_numel(param.dtype)
+        if self.slice_bytes is None:
+            return False
+        slice_numel = max(1, self.slice_bytes // param.dtype.itemsize)
         if param.numel() <= slice_numel:
             return False
         ranges = chunk_ranges([0], [param.numel()], slice_numel)  # cuts aligned: see bucketing
@@ -330,95 +317,6 @@ class OptimizerOverlap:
                 piecewise.step(start, end)
             piecewise.finish()
         self.last_sliced_params += 1
-        return True
-
-
-class _ChunkedBucket:
-    """One synchronised backward's last bucket as its chunks arrive (``arrived``, in order): each chunk's
-    gradients are written back; a parameter inside one chunk is returned to be stepped with the others;
-    a parameter cut across chunks is updated slice by slice (:mod:`lightning_ddpx.engine.piecewise_step`)
-    when it qualifies, else returned whole with the chunk that completes it."""
-
-    def __init__(
-        self,
-        overlap: OptimizerOverlap,
-        b: int,
-        groups: list[dict[str, Any]],
-        members: list[tuple[int, list[torch.nn.Parameter]]],
-    ) -> None:
-        self._overlap = overlap
-        self._bucket = overlap.reducer.buckets[b]
-        self._groups = groups
-        self._group_of = {id(p): g for g, params in members for p in params}
-        self._spans = [
-            (offset, offset + p.numel()) for offset, p in zip(self._bucket.spec.offsets, self._bucket.params)
-        ]
-        self._write_back = not overlap.reducer.gradient_as_bucket_view
-        self._pieces: dict[int, PiecewiseStep | None] = {}  # position in the bucket -> its piecewise update
-        self._first = 0  # the first parameter (position) not yet complete
-        self.sliced = 0  # parameters updated slice by slice
-
-    @torch.no_grad()
-    def arrived(self, start: int, end: int) -> list[tuple[int, list[torch.nn.Parameter]]]:
-        """Elements ``start:end`` of the buffer are reduced: write them back, update the slices they
-        complete; returns (group index, parameters) to step whole now."""
-        whole: dict[int, list[torch.nn.Parameter]] = {}
-        grads, views = [], []
-        position = self._first
-        while position < len(self._spans) and self._spans[position][0] < end:
-            offset, stop = self._spans[position]
-            param, view = self._bucket.params[position], self._bucket.views[position]
-            lo, hi, complete = max(start, offset) - offset, min(end, stop) - offset, stop <= end
-            g = self._group_of.get(id(param))
-            if lo == 0 and complete:  # the whole parameter is in this chunk
-                if self._write_back:
-                    grads.append(param.grad)
-                    views.append(view)
-                if g is not None:
-                    whole.setdefault(g, []).append(param)
-            else:
-                self._write_back_slice(param, view, lo, hi, complete)
-                if g is not None and not self._step_slice(position, param, g, lo, hi, complete) and complete:
-                    whole.setdefault(g, []).append(param)
-            if not complete:
-                break
-            position += 1
-        self._first = position
-        if grads:
-            foreach_copy_(grads, views)
-        return sorted(whole.items())
-
-    def _write_back_slice(
-        self, param: torch.nn.Parameter, view: torch.Tensor, lo: int, hi: int, complete: bool
-    ) -> None:
-        grad = param.grad
-        if not self._write_back or grad is None:
-            return
-        if grad.is_contiguous():
-            grad.view(-1)[lo:hi].copy_(view.view(-1)[lo:hi])
-        elif complete:
-            grad.copy_(view)  # a strided gradient: written whole with its last slice
-
-    def _step_slice(
-        self, position: int, param: torch.nn.Parameter, g: int, lo: int, hi: int, complete: bool
-    ) -> bool:
-        """Update elements ``lo:hi`` of ``param`` if it qualifies (decided at its first slice); whether it did."""
-        if position not in self._pieces:
-            optimizer = self._overlap.optimizer
-            grad = param.grad
-            qualifies = grad is not None and grad.is_contiguous() and steps_in_pieces(optimizer, param)
-            state = optimizer.state.get(param) if qualifies else None
-            self._pieces[position] = (
-                PiecewiseStep(self._overlap._view, self._groups[g], param, state) if state else None
-            )
-        piecewise = self._pieces[position]
-        if piecewise is None:
-            return False
-        with label("lightning_ddpx::overlap_optimizer_step_slice"):
-            piecewise.step(lo, hi)
-        if complete:
-            piecewise.finish()
-            self.sliced += 1
         return True
 
 

@@ -1,0 +1,67 @@
+"""The reducer's error messages: what went wrong, on which rank, with which parameter, and the fix."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+__all__ = [
+    "backward_after_sync",
+    "ready_twice",
+    "sparse_hook_refusal",
+    "unfinished_reduction",
+    "unused_parameters",
+]
+
+
+def unused_parameters(rank: int, names: Sequence[str]) -> str:
+    listed = ", ".join(repr(name) for name in names[:20])
+    more = f" and {len(names) - 20} more" if len(names) > 20 else ""
+    return (
+        f"lightning_ddpx: on rank {rank}, parameter(s) {listed}{more} received "
+        "no gradient in this backward, so their buckets cannot be reduced. Either the forward did not use "
+        "them or the loss does not depend on them. Pass find_unused_parameters=True to "
+        "DistributedDataParallel (or use strategy 'ddpx_find_unused_parameters_true' in Lightning), "
+        "or set requires_grad=False on parameters that are never trained."
+    )
+
+
+def backward_after_sync(rank: int, name: str) -> str:
+    return (
+        f"lightning_ddpx (rank {rank}): parameter {name!r} received a "
+        "gradient in a backward that ran after this iteration's gradients were already synchronised, with no "
+        "new forward through DistributedDataParallel (a second backward of the same forward, or a forward "
+        "that called .module directly). That gradient would stay on this rank and the ranks would step with "
+        "different gradients. Combine the losses into one backward, or run the extra backward inside "
+        "no_sync() and synchronise on a later one, and call the wrapper itself for every forward."
+    )
+
+
+def ready_twice(name: str, find_unused_parameters: bool) -> str:
+    if find_unused_parameters:
+        return (
+            f"lightning_ddpx: parameter {name!r} received a gradient after it was marked unused: it is not "
+            "reachable from the outputs that forward() returned, yet the loss depends on it. Return every "
+            "tensor the loss depends on from forward()."
+        )
+    return (
+        f"lightning_ddpx: parameter {name!r} received a gradient twice in one synchronised iteration "
+        "(backward ran more than once after one forward). Run the extra backward passes inside no_sync(), "
+        "or combine the losses into one backward."
+    )
+
+
+def unfinished_reduction(unlaunched: Sequence[int]) -> str:
+    return (
+        "lightning_ddpx: the previous backward started synchronising gradients but never finished "
+        f"(buckets not launched: {list(unlaunched)}). This happens when backward raised or was "
+        "interrupted. Ranks may now be out of step; restart from a checkpoint."
+    )
+
+
+def sparse_hook_refusal(hook_name: str, refusal: str, sparse_names: Sequence[str]) -> str:
+    return (
+        f"lightning_ddpx: the communication hook {hook_name} cannot reduce sparse gradients "
+        f"({refusal}), and parameter(s) {list(sparse_names)} produce them (nn.Embedding/nn.EmbeddingBag with "
+        "sparse=True). Register no hook (the default averages sparse gradients with a sparse "
+        "all-reduce) or the allreduce hook, or build those layers with sparse=False."
+    )

@@ -1,0 +1,200 @@
+"""How a bucket crosses the ranks: chosen once, when the reducer is built or a hook is registered.
+
+A transport is the one object that knows the collectives a model's buckets take. Its identity says which
+path a model is on (``model.reducer.transport``), and :meth:`Transport.describe` is part of the settings
+every rank compares at the first synchronised forward, so ranks on different paths fail with a named
+setting instead of a hang.
+
+- :class:`Transport`: a registered communication hook, torch's contract ``hook(state, bucket)``; the
+  bucket holds the plain local gradients.
+- :class:`MeanAllReduce`: no hook registered. Gradients are scaled by 1/world size while copied into the
+  bucket (one pass instead of a copy and a multiply), then summed by one all-reduce per bucket. The path of
+  NCCL, of more than two ranks and of ranks on different machines.
+- :class:`SharedMemorySum`: no hook, two CPU ranks on one machine. Each rank copies its gradients straight
+  into its slot of a shared file, one tiny gloo all-reduce says both slots are written, and each rank adds
+  the two slots (:mod:`lightning_ddpx.engine.shared_memory`; bit-identical to gloo's two-rank sum;
+  0.77-0.98x torch's step, docs/benchmarks.md).
+
+Benchmarks compare paths by handing a reducer another transport (:meth:`Reducer.use_transport
+<lightning_ddpx.engine.reducer.Reducer.use_transport>`), never by switches on these classes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from lightning_ddpx.engine.buckets import Bucket, param_views
+from lightning_ddpx.engine.errors import waiting_for
+from lightning_ddpx.engine.grad_bucket import (
+    GradBucket,
+    collectives_issued_on_call,
+    issues_collectives_on_call,
+    payload_bytes,
+    record_bytes_sent,
+)
+from lightning_ddpx.engine.launcher import InlineLauncher, SequencedLauncher
+from lightning_ddpx.engine.shared_memory import (
+    SharedMemoryExchange,
+    gather_obstacles,
+    local_obstacles,
+    obstacles_refusal,
+    open_exchange,
+)
+
+__all__ = ["MeanAllReduce", "SharedMemorySum", "Transport", "choose_default", "hook_name"]
+
+CommHook = Callable[[Any, GradBucket], torch.futures.Future]
+
+
+def hook_name(hook: Callable) -> str:
+    """``module.qualname`` of a hook, for progress records and errors."""
+    module = getattr(hook, "__module__", None)
+    name = getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None) or repr(hook)
+    return f"{module}.{name}" if module else name
+
+
+@collectives_issued_on_call
+def _sum_allreduce_hook(process_group: dist.ProcessGroup, bucket: GradBucket) -> torch.futures.Future:
+    """The default path's hook: gradients were already scaled by 1/world_size while copied into the bucket."""
+    buffer = bucket.buffer()
+    record_bytes_sent(bucket, payload_bytes(buffer))
+    return dist.all_reduce(buffer, group=process_group, async_op=True).get_future()
+
+
+class Transport:
+    """A transport, as a registered hook (the default paths below derive from it): called with its state
+    on each bucket, inline when it issues its collectives
+    before returning (:func:`~lightning_ddpx.engine.grad_bucket.collectives_issued_on_call`), else on one
+    communication thread, so every rank issues them in bucket order."""
+
+    scale: float | None = None  # a registered hook sees the plain local gradients ...
+    divisor: int | None = None  # ... and divides them itself
+
+    def __init__(self, hook: CommHook, state: Any, device: torch.device | None) -> None:
+        self.hook, self.state = hook, state
+        self.name = hook_name(hook)
+        # CUDA: the communication thread's futures carry events on the buckets' device (engine.launcher)
+        self.launcher: InlineLauncher | SequencedLauncher = (
+            InlineLauncher() if issues_collectives_on_call(hook) else SequencedLauncher(device=device)
+        )
+
+    def describe(self) -> str:
+        return f"the communication hook {self.name}"
+
+    def set_divisor(self, count: int) -> None:
+        """A registered hook divides by what it likes: nothing to change."""
+
+    def begin_reduction(self) -> None:
+        """A synchronised backward (or a joined rank's shadow of one) starts."""
+
+    def set_layout(self, buckets: Sequence[Bucket]) -> None:
+        """A new bucket plan was installed (every rank the same one, between iterations)."""
+
+    def fill_target(self, b: int, bucket: Bucket) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """Where to copy bucket ``b``'s gradients, if not into its own buffer."""
+        return None
+
+    def reduce(self, grad_bucket: GradBucket, prefilled: bool) -> torch.futures.Future:
+        """Issue bucket's reduction; ``prefilled``: the gradients went to :meth:`fill_target`."""
+        return self.hook(self.state, grad_bucket)
+
+    def shadow(self, grad_bucket: GradBucket) -> torch.futures.Future:
+        """The collectives of :meth:`reduce`, for a joined rank's bucket of zeros."""
+        return self.reduce(grad_bucket, prefilled=False)
+
+    def close(self) -> None:
+        self.launcher.close()
+
+
+class MeanAllReduce(Transport):
+    """No hook registered: scaled while copied, then one sum all-reduce per bucket (a sparse bucket's
+    gradient is divided into a new tensor, as torch's reducer does, and summed by a sparse all-reduce)."""
+
+    def __init__(self, process_group: dist.ProcessGroup) -> None:
+        super().__init__(_sum_allreduce_hook, process_group, device=None)
+        self.set_divisor(dist.get_world_size(process_group))
+
+    def describe(self) -> str:
+        return "the mean all-reduce (no hook)"
+
+    def set_divisor(self, count: int) -> None:
+        """Average over ``count`` ranks from now on (``join(divide_by_initial_world_size=False)`` sets the
+        number of ranks still training, as torch does)."""
+        self.scale = 1.0 / count
+        self.divisor = count
+
+
+class SharedMemorySum(MeanAllReduce):
+    """No hook, two CPU ranks on one machine: summed through both ranks' slots of a shared file."""
+
+    def __init__(self, process_group: dist.ProcessGroup, exchange: SharedMemoryExchange) -> None:
+        super().__init__(process_group)
+        self.exchange = exchange
+        # per bucket, per generation: this rank's slot and views into it (a view costs about as much as
+        # copying 4 KB, so they are made once per plan)
+        self._slot_views: list[dict[int, tuple[torch.Tensor, list[torch.Tensor]]]] = []
+
+    def describe(self) -> str:
+        return "the shared-memory sum of two CPU ranks (no hook)"
+
+    def begin_reduction(self) -> None:
+        self.exchange.next_generation()  # every reduction, so that it stays in step with the other rank
+
+    def set_layout(self, buckets: Sequence[Bucket]) -> None:
+        self.exchange.set_layout([bucket.nbytes for bucket in buckets])
+        self._slot_views = [{} for _ in buckets]
+
+    def fill_target(self, b: int, bucket: Bucket) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        if bucket.spec.sparse:
+            return None
+        cached = self._slot_views[b]
+        generation = self.exchange.generation
+        if generation not in cached:
+            slot = self.exchange.own_slot(b, bucket.buffer)
+            cached[generation] = (slot, param_views(slot, bucket.spec, bucket.params))
+        return cached[generation]
+
+    def reduce(self, grad_bucket: GradBucket, prefilled: bool) -> torch.futures.Future:
+        if grad_bucket.buffer().is_sparse:
+            return super().reduce(grad_bucket, prefilled)
+        if prefilled:
+            return self.exchange.sum_filled_hook(self.state, grad_bucket)
+        return self.exchange.sum_hook(self.state, grad_bucket)  # copies the buffer into the slot first
+
+
+def choose_default(
+    process_group: dist.ProcessGroup,
+    params: Sequence[torch.nn.Parameter],
+    sparse_gradients: Sequence[bool],
+    obstacles: list[int] | None,
+) -> tuple[MeanAllReduce, str | None, list[int] | None]:
+    """The default path for these parameters: shared memory when both of two gloo ranks can map it, else
+    the mean all-reduce. Returns it, why not shared memory (``None`` when it is), and every rank's shared-
+    memory obstacles (gathered here when ``obstacles`` is ``None`` and they are needed).
+
+    No collective when every rank knows alike that shared memory is out (world size, backend) or when the
+    obstacles rule it out (``DDPX_SHARED_MEMORY=0`` on any rank...); otherwise collective
+    (:mod:`lightning_ddpx.engine.shared_memory`, "Set-up")."""
+    world_size = dist.get_world_size(process_group)
+    backend = dist.get_backend(process_group)
+    if world_size != 2:
+        why = f"{world_size} ranks: shared memory serves two (more would not sum like gloo's ring)"
+        return MeanAllReduce(process_group), why, obstacles
+    if backend != "gloo":
+        return MeanAllReduce(process_group), f"backend {backend!r} rather than gloo", obstacles
+    if obstacles is None:  # built without the model check that carries them
+        on_cpu = all(p.device.type == "cpu" for p in params)
+        with waiting_for("the other rank to say whether it can use shared memory", process_group):
+            obstacles = gather_obstacles(process_group, local_obstacles(on_cpu))
+    refusal = obstacles_refusal(obstacles, dist.get_rank(process_group))
+    if refusal is not None:
+        return MeanAllReduce(process_group), refusal, obstacles
+    sizes = [0 if sparse else p.numel() * p.element_size() for p, sparse in zip(params, sparse_gradients)]
+    with waiting_for("the other rank to map the shared-memory slots", process_group):
+        exchange, refusal = open_exchange(process_group, sizes)
+    if exchange is None:
+        return MeanAllReduce(process_group), refusal, obstacles
+    return SharedMemorySum(process_group, exchange), None, obstacles
