@@ -11,6 +11,7 @@ broadcast before validate/test/predict (Lightning's own collectives run before i
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ import lightning_ddpx
 import lightning_ddpx.hooks.model_averaging
 import lightning_ddpx.lightning.local_replicas
 from lightning_ddpx.engine.errors import CommunicationError
+from lightning_ddpx.engine.transport import MeanAllReduce
 from lightning_ddpx.lightning.config import DDPXConfig
 from tests.dist_utils import run_distributed
 from tests.test_engine_oracle import SMALL_BUCKETS, conv_bn, conv_loss
@@ -120,10 +122,22 @@ def test_a_vanished_peer_is_reported_as_our_error_at_every_site(site: str) -> No
 
 
 # ------------------------------------------------------------------------- settings agreement
+class OtherPath(MeanAllReduce):
+    """The default collectives under another description: what a benchmark's injected transport looks like."""
+
+    def describe(self) -> str:
+        return "another path (a benchmark's)"
+
+
 def configured_per_rank(rank: int, world_size: int, options_per_rank: list[dict]) -> dict:
-    config = DDPXConfig(**options_per_rank[rank])
+    options = dict(options_per_rank[rank])
+    os.environ.update(options.pop("_env", {}))
+    injected = options.pop("_transport", None)
+    config = DDPXConfig(**options)
     module = config.wrap(conv_bn())
     config.register_hook(module)
+    if injected is not None:  # what a benchmark does: another path than the one construction chose
+        module.reducer.use_transport(injected(module.process_group))
     try:
         conv_loss(module, 0).backward()
     except ValueError as error:
@@ -154,6 +168,23 @@ MISMATCHES = {
     "gradient_as_bucket_view": (
         [{}, {"gradient_as_bucket_view": True}],
         "Setting 'gradient_as_bucket_view' differs",
+    ),
+    # what changes the collectives beyond the module's own options
+    "transport injected on one rank": (
+        [{"_transport": OtherPath}, {}],
+        "Setting 'transport' differs: rank 0: another path (a benchmark's)",
+    ),
+    "DDPX_DEBUG on one rank": (
+        [{"_env": {"DDPX_DEBUG": "1"}}, {"_env": {"DDPX_DEBUG": "0"}}],
+        "Setting 'DDPX_DEBUG' differs: rank 0: True; rank 1: False",
+    ),
+    "uneven_inputs": (
+        [{"uneven_inputs": "off"}, {}],
+        "Setting 'uneven_inputs' differs: rank 0: 'off'",
+    ),
+    "verify_replicas_every_n_steps": (
+        [{"verify_replicas_every_n_steps": 10}, {}],
+        "Setting 'verify_replicas_every_n_steps' differs: rank 0: 10",
     ),
 }
 

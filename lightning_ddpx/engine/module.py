@@ -121,6 +121,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         Joinable.__init__(self)  # nn.Module does not chain __init__; the join config starts disabled
         self._join_divide_by_initial_world_size = True
         self._usage_log = UsageLog()  # torch's usage-logger surface (_get_ddp_logging_data)
+        # Options of whoever drives this module that change its collectives (the strategies' uneven_inputs,
+        # verify_replicas_every_n_steps...): compared across ranks with the module's own settings.
+        self.driver_settings: dict[str, str] = {}
         if bucket_cap_mb is None:
             bucket_cap_mb = 25.0  # torch's None: its default cap
         _validate_arguments(module, bucket_cap_mb, first_bucket_cap_mb)
@@ -505,6 +508,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             _qualified_name(self.reducer.transport.hook) if self._hook_registered else "None (mean allreduce)"
         )
         settings["transport"] = self.reducer.transport.describe()  # the collectives each bucket takes
+        settings["DDPX_DEBUG"] = repr(self.reducer.progress.debug)  # one all-gather per bucket when on
         settings["overlap_optimizer"] = repr(self.reducer.overlap is not None)  # it changes the bucket plan
         # sparse embeddings get buckets of their own: a different sparse flag on one rank means other buckets
         settings["sparse gradients"] = repr(
@@ -512,6 +516,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         )
         if self._hook_registered:
             settings.update(_hook_state_settings(self.reducer.transport.state))
+        settings.update(self.driver_settings)
         return settings
 
     def close(self) -> None:

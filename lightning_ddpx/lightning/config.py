@@ -270,7 +270,7 @@ class DDPXConfig:
 
         ``device_ids``: what Lightning's DDP strategies pass torch's DDP (:func:`ddp_device_ids`).
         """
-        return DistributedDataParallel(
+        wrapped = DistributedDataParallel(
             module,
             device_ids=device_ids,
             process_group=process_group,
@@ -282,6 +282,11 @@ class DDPXConfig:
             static_graph=self.static_graph,
             init_sync=self.init_sync,
         )
+        # options that add collectives outside the module: every rank must have them alike
+        wrapped.driver_settings = {
+            name: repr(getattr(self, name)) for name in ("uneven_inputs", "verify_replicas_every_n_steps")
+        }
+        return wrapped
 
     def wrap_training_loader(
         self, loader: Any, process_group: dist.ProcessGroup, device: Any, steps: StepQueue, for_fabric: bool
