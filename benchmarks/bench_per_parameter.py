@@ -2,6 +2,7 @@
 
     python benchmarks/bench_per_parameter.py                                 # many, many1000
     python benchmarks/bench_per_parameter.py --models many1000 --gradient-as-bucket-view --rounds 60
+    python benchmarks/bench_per_parameter.py --before /tmp/before   # + the package at an earlier commit
 
 With one rank there is no communication to wait for, so what is left over a plain model's step is what data
 parallelism costs per step: hooks, bucket copies, bookkeeping. Three contenders (plain model, torch's DDP,
@@ -19,6 +20,7 @@ import statistics
 import sys
 import time
 from datetime import timedelta
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` and `lightning_ddpx` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -34,8 +36,10 @@ from lightning_ddpx.bench.timing import rotated  # noqa: E402
 CONTENDERS = ("plain", "torch", "ours")
 
 
-def measure(name: str, bucket_view: bool, rounds: int, block: int) -> dict[str, float]:
-    """Thread-CPU step times of the three contenders on model ``name``; overheads and the step ratio."""
+def measure(name: str, bucket_view: bool, rounds: int, block: int, before: Any = None) -> dict[str, float]:
+    """Thread-CPU step times of the contenders on model ``name``; overheads and the step ratio. ``before``:
+    a fourth contender's class (benchmarks/snapshot_package.py's ``DistributedDataParallel``)."""
+    contenders = CONTENDERS + (("before",) if before is not None else ())
     spec = MODELS[name]
     torch.manual_seed(0)
     x, y = torch.randn(spec.input_shape), torch.randn(spec.target_shape)
@@ -46,22 +50,24 @@ def measure(name: str, bucket_view: bool, rounds: int, block: int) -> dict[str, 
         ),
         "ours": DistributedDataParallel(build_model(name), gradient_as_bucket_view=bucket_view),
     }
+    if before is not None:
+        models["before"] = before(build_model(name), gradient_as_bucket_view=bucket_view)
     steps = {
         k: make_train_step(m, torch.optim.SGD(m.parameters(), lr=1e-3), (x, y)) for k, m in models.items()
     }
     for _ in range(5):  # warm-up: bucket rebuild, allocator
         for step in steps.values():
             step()
-    times: dict[str, list[float]] = {k: [] for k in CONTENDERS}
+    times: dict[str, list[float]] = {k: [] for k in contenders}
     for r in range(rounds):
-        for k in rotated(CONTENDERS, r):  # each contender in each position equally often
+        for k in rotated(contenders, r):  # each contender in each position equally often
             for _ in range(block):
                 started = time.thread_time()
                 steps[k]()
                 times[k].append(time.thread_time() - started)
     tensors = len(list(models["plain"].parameters()))
     result: dict[str, float] = {"tensors": tensors}
-    for k in ("torch", "ours"):
+    for k in contenders[1:]:
         overhead = [t - p for t, p in zip(times[k], times["plain"])]
         q = statistics.quantiles(overhead, n=4)
         result[f"{k}_us_per_param"] = 1e6 * statistics.median(overhead) / tensors
@@ -69,6 +75,8 @@ def measure(name: str, bucket_view: bool, rounds: int, block: int) -> dict[str, 
     ratios = [o / t for o, t in zip(times["ours"], times["torch"])]
     q = statistics.quantiles(ratios, n=4)
     result.update(ratio=statistics.median(ratios), ratio_p25=q[0], ratio_p75=q[2])
+    if before is not None:
+        result["ours_vs_before"] = statistics.median(o / b for o, b in zip(times["ours"], times["before"]))
     return result
 
 
@@ -80,7 +88,12 @@ def main(argv: list[str] | None = None) -> None:
         "--rounds", type=int, default=40, help="interleaved rounds (each contender once a round)"
     )
     parser.add_argument("--block", type=int, default=5, help="steps per contender per round")
+    parser.add_argument("--before", metavar="DIR", help="add lightning_ddpx_before from DIR as a contender")
     args = parser.parse_args(argv)
+    before = None
+    if args.before:
+        sys.path.insert(0, args.before)
+        from lightning_ddpx_before import DistributedDataParallel as before  # type: ignore[import-not-found]
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=120))
@@ -90,11 +103,16 @@ def main(argv: list[str] | None = None) -> None:
             "model      tensors  torch us/param (p25-p75)  ours us/param (p25-p75)  ours/torch step (p25-p75)"
         )
         for name in args.models:
-            r = measure(name, args.gradient_as_bucket_view, args.rounds, args.block)
+            r = measure(name, args.gradient_as_bucket_view, args.rounds, args.block, before)
             print(
                 f"{name:10s} {r['tensors']:7d}  {r['torch_us_per_param']:6.2f} ({r['torch_us_p25']:.2f}-"
                 f"{r['torch_us_p75']:.2f})      {r['ours_us_per_param']:6.2f} ({r['ours_us_p25']:.2f}-"
                 f"{r['ours_us_p75']:.2f})     {r['ratio']:.3f} ({r['ratio_p25']:.3f}-{r['ratio_p75']:.3f})"
+                + (
+                    f"  before {r['before_us_per_param']:.2f} us/param, ours/before step {r['ours_vs_before']:.3f}"
+                    if before is not None
+                    else ""
+                )
             )
     finally:
         dist.destroy_process_group()

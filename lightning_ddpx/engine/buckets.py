@@ -59,24 +59,52 @@ class Bucket:
         scale: float | None,
         all_used: bool,
         target: tuple[torch.Tensor, list[torch.Tensor]] | None = None,
+        copied: bytearray | None = None,
     ) -> None:
         """Fill the buffer (or ``target``: a flat buffer laid out like it, and its views) from ``param.grad``
         (zero for parameters holding none), times ``scale`` if given. ``all_used``: every parameter of the
-        bucket produced a gradient in this backward (one batched copy then)."""
+        bucket produced a gradient in this backward (one batched copy then). ``copied``: per parameter
+        index, gradients already copied (:meth:`copy_one`), left alone."""
         buffer, views = target if target is not None else (self.buffer, self.views)
+        params = self.params
+        if copied is not None:
+            rest = [k for k, index in enumerate(self.spec.param_indices) if not copied[index]]
+            if not rest:
+                return
+            params, views = [params[k] for k in rest], [views[k] for k in rest]
         try:
             if all_used and not (scale is not None and self.fused_scale):
-                foreach_copy_(views, [p.grad for p in self.params])
+                foreach_copy_(views, [p.grad for p in params])
                 if scale is not None:
-                    buffer.mul_(scale)
+                    if copied is None:
+                        buffer.mul_(scale)
+                    else:
+                        torch._foreach_mul_(views, scale)
                 return
-            for param, view in zip(self.params, views):
+            for param, view in zip(params, views):
                 if param.grad is None:
                     view.zero_()
                 elif scale is None:
                     view.copy_(param.grad)
                 else:
                     torch.mul(param.grad, scale, out=view)
+        except RuntimeError:
+            self.refuse_unexpected_sparse()
+            raise
+
+    @torch.no_grad()
+    def copy_one(
+        self, position: int, target: tuple[torch.Tensor, list[torch.Tensor]] | None, scale: float | None
+    ) -> None:
+        """Copy the gradient of the parameter at ``position`` into its view (of ``target`` if given), times
+        ``scale`` if given: one gradient as soon as it is ready (:meth:`fill` does the others)."""
+        view = (target[1] if target is not None else self.views)[position]
+        grad = self.params[position].grad
+        try:
+            if scale is None:
+                view.copy_(grad)
+            else:
+                torch.mul(grad, scale, out=view)
         except RuntimeError:
             self.refuse_unexpected_sparse()
             raise

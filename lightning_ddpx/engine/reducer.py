@@ -56,6 +56,11 @@ from lightning_ddpx.engine.usage_log import UsageLog
 __all__ = ["CommHook", "Phase", "Reducer"]
 
 
+# Gradients of at least this many elements are copied into their bucket when ready (Reducer._eager_copies):
+# the bucket's batched copy costs one dispatch for all its small gradients, a copy each costs one per gradient.
+EAGER_COPY_MIN_NUMEL = 16384
+
+
 class Phase(enum.Enum):
     IDLE = "idle"
     ARMED = "armed"
@@ -153,8 +158,31 @@ class Reducer:
         if self.gradient_as_bucket_view:
             self.layout.alias_grads()
         self.transport.set_layout(self.buckets)
+        self._eager = self._eager_copies()
         self.plan_history.append((self.iterations_synced, self.layout.infos()))
         self._reset_iteration()
+
+    def _eager_copies(self) -> bytearray:
+        """Per parameter: whether its gradient goes into its bucket as soon as it is ready, as in torch's
+        reducer, while it is still in cache (a copy at the bucket's launch reads it back from memory). Large
+        dense gradients on the CPU without bucket views; small ones wait for the bucket's one batched copy
+        (a copy each would cost more in dispatch than it saves); CUDA keeps its stream-ordered path."""
+        eager = bytearray(len(self.params))
+        if self._on_cuda or self.gradient_as_bucket_view:
+            return eager
+        for bucket in self.buckets:
+            if not bucket.spec.sparse:
+                for index, param in zip(bucket.spec.param_indices, bucket.params):
+                    eager[index] = param.numel() >= EAGER_COPY_MIN_NUMEL
+        return eager
+
+    def _copy_now(self, index: int, b: int) -> None:
+        """Parameter ``index``'s gradient is ready: into bucket ``b`` (or the transport's target) now."""
+        bucket = self.buckets[b]
+        target = self.transport.fill_target(b, bucket)
+        bucket.copy_one(self._position_of[index], target, self.transport.scale)
+        self._copied[index] = 1
+        self._copied_in_bucket[b] += 1
 
     def bucket_infos(self) -> list[BucketInfo]:
         return self.layout.infos()
@@ -167,6 +195,8 @@ class Reducer:
         self._next_launch = 0
         self._futures: list[torch.futures.Future | None] = [None] * count
         self._launch_streams: list[Any] = [None] * count  # CUDA: the stream each bucket was filled on
+        self._copied = bytearray(len(self.params))  # gradients already in their bucket (_copy_now)
+        self._copied_in_bucket = [0] * count
         self.stats.begin()
         if self.static is not None:
             self.static.reset()
@@ -286,6 +316,8 @@ class Reducer:
             ready[index] = 1
             self.locally_used[index] = 1
             b = self._bucket_of[index]
+            if self._eager[index]:
+                self._copy_now(index, b)
             pending = self._pending
             left = pending[b] - 1
             pending[b] = left
@@ -320,7 +352,9 @@ class Reducer:
         b = self._bucket_of[index]
         if used:
             self.locally_used[index] = 1
-            if self._on_cuda:
+            if self._eager[index]:
+                self._copy_now(index, b)
+            elif self._on_cuda:
                 as_view = self.gradient_as_bucket_view and not self.buckets[b].spec.sparse
                 self.streams.note(
                     index,
@@ -384,7 +418,7 @@ class Reducer:
             self.streams.copy_on_producers(indices, bucket.params, bucket.views, scale, stream)
         else:
             target = self.transport.fill_target(b, bucket)
-            bucket.fill(scale, all_used, target)
+            bucket.fill(scale, all_used, target, self._copied if self._copied_in_bucket[b] else None)
             return bucket.buffer, bucket.views, target is not None
         return bucket.buffer, bucket.views, False
 

@@ -1,0 +1,207 @@
+"""Bucket storage without a process group (lightning_ddpx.engine.buckets): filling, single copies, views,
+write-back and the plan's bookkeeping, each against the plain tensor arithmetic it stands for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_ddpx.engine.bucketing import plan_buckets
+from lightning_ddpx.engine.buckets import Bucket, BucketLayout
+
+SHAPES = [(4, 3), (3,), (5, 2), (2,), (7,)]
+
+
+def params_with_grads(seed: int = 0, missing: tuple[int, ...] = ()) -> list[nn.Parameter]:
+    torch.manual_seed(seed)
+    params = [nn.Parameter(torch.randn(shape)) for shape in SHAPES]
+    for i, p in enumerate(params):
+        p.grad = None if i in missing else torch.randn(p.shape)
+    return params
+
+
+def one_bucket(params: list[nn.Parameter]) -> Bucket:
+    numels = [p.numel() for p in params]
+    (spec,) = plan_buckets(
+        numels,
+        [p.dtype for p in params],
+        [p.device for p in params],
+        list(range(len(params))),
+        1 << 20,
+        1 << 20,
+    )
+    return Bucket(spec, params, [f"p{i}" for i in range(len(params))])
+
+
+def expected_flat(params: list[nn.Parameter], bucket: Bucket, scale: float | None) -> torch.Tensor:
+    parts = []
+    for index in bucket.spec.param_indices:
+        grad = params[index].grad
+        grad = torch.zeros_like(params[index]) if grad is None else grad
+        parts.append((grad if scale is None else grad * scale).reshape(-1))
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("scale", [None, 0.5])
+@pytest.mark.parametrize("fused", [False, True])
+def test_fill_lays_out_the_scaled_gradients(scale: float | None, fused: bool) -> None:
+    params = params_with_grads()
+    bucket = one_bucket(params)
+    bucket.fused_scale = fused
+    bucket.fill(scale, all_used=True)
+    assert torch.equal(bucket.buffer, expected_flat(params, bucket, scale))
+
+
+def test_fill_zeroes_parameters_without_gradient() -> None:
+    params = params_with_grads(missing=(1, 3))
+    bucket = one_bucket(params)
+    bucket.buffer.fill_(7.0)  # stale values from an earlier step must not survive
+    bucket.fill(0.25, all_used=False)
+    assert torch.equal(bucket.buffer, expected_flat(params, bucket, 0.25))
+
+
+@pytest.mark.parametrize("scale", [None, 0.5])
+def test_single_copies_and_fill_of_the_rest_equal_one_fill(scale: float | None) -> None:
+    """Gradients copied as soon as they are ready (copy_one) plus fill() of the others = fill() of all."""
+    params = params_with_grads()
+    bucket, reference = one_bucket(params), one_bucket(params)
+    reference.fill(scale, all_used=True)
+    copied = bytearray(len(params))
+    for index in (0, 2):  # the large ones, say
+        bucket.copy_one(bucket.spec.param_indices.index(index), None, scale)
+        copied[index] = 1
+    bucket.fill(scale, all_used=True, copied=copied)
+    assert torch.equal(bucket.buffer, reference.buffer)
+
+
+def test_fill_into_a_target_leaves_the_buffer_alone() -> None:
+    params = params_with_grads()
+    bucket = one_bucket(params)
+    flat = torch.zeros_like(bucket.buffer)
+    views = [
+        flat[o : o + params[i].numel()].view_as(params[i])
+        for o, i in zip(bucket.spec.offsets, bucket.spec.param_indices)
+    ]
+    bucket.copy_one(0, (flat, views), 0.5)
+    copied = bytearray(len(params))
+    copied[bucket.spec.param_indices[0]] = 1
+    bucket.fill(0.5, all_used=True, target=(flat, views), copied=copied)
+    assert torch.equal(flat, expected_flat(params, bucket, 0.5))
+    assert not bucket.buffer.any()
+
+
+def test_everything_already_copied_fills_nothing() -> None:
+    params = params_with_grads()
+    bucket = one_bucket(params)
+    bucket.fill(None, all_used=True)
+    before = bucket.buffer.clone()
+    for p in params:
+        p.grad.add_(1.0)  # changed after the copies: fill() must not read them again
+    bucket.fill(None, all_used=True, copied=bytearray([1] * len(params)))
+    assert torch.equal(bucket.buffer, before)
+
+
+def test_write_back_all_used_copies_every_gradient() -> None:
+    params = params_with_grads()
+    bucket = one_bucket(params)
+    result = torch.arange(bucket.buffer.numel(), dtype=torch.float32)
+    bucket.write_back(result, None, all_used=True, as_view=False)
+    for offset, index in zip(bucket.spec.offsets, bucket.spec.param_indices):
+        p = params[index]
+        assert torch.equal(p.grad, result[offset : offset + p.numel()].view_as(p))
+
+
+def test_write_back_keeps_the_grad_of_parameters_no_rank_used() -> None:
+    params = params_with_grads(missing=(1,))
+    kept = params[3].grad.clone()
+    bucket = one_bucket(params)
+    result = torch.ones(bucket.buffer.numel())
+    used_counts = [1, 1, 1, 0, 1]  # parameter 3 unused on every rank; 1 used elsewhere (no grad here)
+    bucket.write_back(result, used_counts, all_used=False, as_view=False)
+    assert torch.equal(params[3].grad, kept)
+    assert torch.equal(params[1].grad, torch.ones(SHAPES[1]))  # created from the result
+    assert torch.equal(params[0].grad, torch.ones(SHAPES[0]))
+
+
+def test_adopting_views_makes_grads_alias_the_buffer() -> None:
+    params = params_with_grads()
+    values = [p.grad.clone() for p in params]
+    bucket = one_bucket(params)
+    bucket.adopt_grads_as_views(None)
+    for position, index in enumerate(bucket.spec.param_indices):
+        assert params[index].grad is bucket.views[position]
+        assert torch.equal(params[index].grad, values[index])
+
+
+def test_detached_unused_view_keeps_its_value_privately() -> None:
+    params = params_with_grads()
+    bucket = one_bucket(params)
+    bucket.adopt_grads_as_views(None)
+    grad = params[bucket.spec.param_indices[2]].grad
+    bucket.detach_unused_view(2)
+    private = params[bucket.spec.param_indices[2]].grad
+    assert private is not bucket.views[2] and torch.equal(private, grad)
+
+
+def test_a_sparse_gradient_in_a_dense_bucket_is_named() -> None:
+    params = params_with_grads()
+    params[2].grad = torch.zeros(SHAPES[2]).to_sparse()
+    bucket = one_bucket(params)
+    with pytest.raises(RuntimeError, match=r"parameter\(s\) \['p2'\] received sparse gradients"):
+        bucket.fill(None, all_used=True)
+    with pytest.raises(RuntimeError, match=r"\['p2'\]"):
+        bucket.copy_one(bucket.spec.param_indices.index(2), None, 0.5)
+
+
+def test_layout_knows_each_parameter_s_bucket_and_position() -> None:
+    params = params_with_grads()
+    order = [4, 3, 2, 1, 0]
+    specs = plan_buckets(
+        [p.numel() for p in params], [p.dtype for p in params], [p.device for p in params], order, 40, 40
+    )
+    layout = BucketLayout(specs, params, [f"p{i}" for i in range(len(params))])
+    assert layout.parameter_order() == order
+    assert len(layout.buckets) > 1
+    for index in range(len(params)):
+        bucket = layout.buckets[layout.bucket_of[index]]
+        assert bucket.params[layout.position_of[index]] is params[index]
+    assert [info.parameter_names for info in layout.infos()] == [b.names for b in layout.buckets]
+
+
+def test_large_gradients_are_copied_when_ready_small_ones_with_their_bucket(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the CPU without bucket views, gradients of at least EAGER_COPY_MIN_NUMEL elements go into their
+    bucket as soon as they are ready (as torch's reducer copies every gradient), the rest in one batched copy
+    at the bucket's launch; the averaged gradients are the same (one rank: the local ones)."""
+    import lightning_ddpx
+    from lightning_ddpx.engine.reducer import EAGER_COPY_MIN_NUMEL
+    from tests.dist_utils import one_rank_group
+
+    with one_rank_group():
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 4))
+        reference = [p.detach().clone() for p in net.parameters()]
+        model = lightning_ddpx.DistributedDataParallel(net)
+        large = [p.numel() >= EAGER_COPY_MIN_NUMEL for p in model.reducer.params]
+        assert [bool(flag) for flag in model.reducer._eager] == large == [True, False, False, False]
+        copies: list[int] = []
+        real = Bucket.copy_one
+
+        def counted(bucket: Bucket, *args: object) -> None:
+            copies.append(1)
+            real(bucket, *args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(Bucket, "copy_one", counted)
+        x = torch.randn(8, 256)
+        model(x).square().mean().backward()
+        plain = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 4))
+        with torch.no_grad():
+            for p, value in zip(plain.parameters(), reference):
+                p.copy_(value)
+        plain(x).square().mean().backward()
+        assert len(copies) == 1
+        for ours, theirs in zip(model.module.parameters(), plain.parameters()):
+            assert torch.equal(ours.grad, theirs.grad)
+        model.close()
