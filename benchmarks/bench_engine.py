@@ -7,6 +7,7 @@
     python benchmarks/bench_engine.py --world-size 3                             # three ranks
     python benchmarks/snapshot_package.py <rev> /tmp/before                      # the package at <rev> ...
     python benchmarks/bench_engine.py --before /tmp/before     # ... as a third contender: before/after a change
+    DDPX_SHARED_MEMORY=0 python benchmarks/bench_engine.py --halves   # + ours with large buckets in halves
 
 Both modules train their own copy of the same model, in the same two processes, interleaved in short blocks
 (see ``benchmarks.common.interleaved_timing`` for why): the number that matters is the ratio ours/torch of
@@ -62,6 +63,7 @@ class RunConfig:
     noop: bool
     gradient_as_bucket_view: bool
     before: str | None  # a directory holding benchmarks/snapshot_package.py's lightning_ddpx_before
+    halves: bool  # a contender "halves": ours with benchmarks.alt_transports.MeanAllReduceInHalves injected
     lr: float
     seed: int
     verbose: bool
@@ -81,6 +83,8 @@ def run_rank(rank: int, world_size: int, config: RunConfig) -> dict[str, Any]:
         from lightning_ddpx_before import DistributedDataParallel as BeforeDDP  # type: ignore[import-not-found]
 
         classes["before"] = BeforeDDP
+    if config.halves:
+        classes["halves"] = OursDDP
     # Subnormal floats can make CPU arithmetic 10-100x slower at random points as weights drift; flushing them
     # keeps the arithmetic cost constant so that only the data-parallel machinery differs between contenders.
     torch.set_flush_denormal(True)
@@ -88,6 +92,10 @@ def run_rank(rank: int, world_size: int, config: RunConfig) -> dict[str, Any]:
     gbv = config.gradient_as_bucket_view
     # Default bucket sizes and flags on all; only gradient_as_bucket_view is varied (and the same on all).
     wrapped = {name: classes[name](modules[name], gradient_as_bucket_view=gbv) for name in contenders}
+    if config.halves:  # the alternative injected on every rank before the first step
+        from benchmarks.alt_transports import MeanAllReduceInHalves
+
+        wrapped["halves"].reducer.use_transport(MeanAllReduceInHalves(wrapped["halves"].process_group))
     if config.noop:
         for ddp in wrapped.values():
             ddp.register_comm_hook(None, noop_hook)
@@ -132,7 +140,7 @@ def run_rank(rank: int, world_size: int, config: RunConfig) -> dict[str, Any]:
 
 
 def _contenders(config: RunConfig) -> tuple[str, ...]:
-    return CONTENDERS + (("before",) if config.before else ())
+    return CONTENDERS + (("before",) if config.before else ()) + (("halves",) if config.halves else ())
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
@@ -162,6 +170,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             noop=args.noop,
             gradient_as_bucket_view=args.gradient_as_bucket_view,
             before=args.before,
+            halves=args.halves,
             lr=args.lr,
             seed=args.seed,
             verbose=not args.quiet,
@@ -194,6 +203,16 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 "before_ms": [1e3 * t for t in rank0["times_s"]["before"]],
                 "before_vs_torch": asdict(before),
                 "ours_vs_before": asdict(after),
+            }
+        if config.halves:
+            halves = summarize_pair(rank0["times_s"]["ours"], rank0["times_s"]["halves"])
+            print(
+                f"[{name}] halves/ours {halves.ratio:.3f} [p25 {halves.ratio_p25:.3f}, p75 {halves.ratio_p75:.3f}]",
+                flush=True,
+            )
+            results.setdefault("halves", {})[name] = {
+                "halves_ms": [1e3 * t for t in rank0["times_s"]["halves"]],
+                "halves_vs_ours": asdict(halves),
             }
         if diff != 0.0:
             print(
@@ -292,6 +311,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--before",
         metavar="DIR",
         help="a third contender: lightning_ddpx_before from DIR (benchmarks/snapshot_package.py)",
+    )
+    parser.add_argument(
+        "--halves",
+        action="store_true",
+        help="a contender: ours with large buckets reduced in halves (benchmarks/alt_transports.py)",
     )
     parser.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)

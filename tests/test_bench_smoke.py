@@ -105,6 +105,23 @@ def test_engine_benchmark_runs_end_to_end(tmp_path) -> None:
 
 
 @pytest.mark.slow
+def test_engine_benchmark_times_a_snapshot_and_an_injected_transport(tmp_path) -> None:
+    """Before/after runs: the package at a commit (here HEAD) as a contender, three ranks, and ours with the
+    halves transport injected (the benchmark's alternative, never a switch on the engine)."""
+    snapshot = run_benchmark("snapshot_package.py", "HEAD", str(tmp_path))
+    assert snapshot.stdout.strip().endswith("lightning_ddpx_before")
+    out = tmp_path / "bench.json"
+    completed = run_benchmark(
+        "bench_engine.py", "--models", "tiny", "--steps", "2", "--warmup", "2", "--block", "1", "--quiet",
+        "--world-size", "3", "--before", str(tmp_path), "--halves", "--json", str(out),
+    )  # fmt: skip
+    assert "before/torch" in completed.stdout and "halves/ours" in completed.stdout
+    results = json.loads(out.read_text())
+    assert len(results["before"]["tiny"]["before_ms"]) == len(results["halves"]["tiny"]["halves_ms"]) == 2
+    assert results["models"]["tiny"]["param_max_abs_diff"] == 0.0  # all contenders did the same arithmetic
+
+
+@pytest.mark.slow
 def test_hooks_benchmark_runs_end_to_end(tmp_path) -> None:
     out = tmp_path / "hooks.json"
     completed = run_benchmark("bench_hooks.py", "--quick", "--json", str(out))
