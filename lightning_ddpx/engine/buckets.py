@@ -238,6 +238,19 @@ class BucketLayout:
             for b, bucket in enumerate(self.buckets)
         ]
 
+    def eager_copies(self, min_numel: int | None) -> bytearray:
+        """Per parameter index: whether its gradient is copied into its bucket as soon as it is ready, as in
+        torch's reducer, while it is still in cache (a copy at the bucket's launch reads it back from memory):
+        dense gradients of at least ``min_numel`` elements (``None``: none). Smaller ones wait for the
+        bucket's one batched copy: a copy each would cost more in dispatch than it saves."""
+        eager = bytearray(len(self.bucket_of))
+        if min_numel is not None:
+            for bucket in self.buckets:
+                if not bucket.spec.sparse:
+                    for index, param in zip(bucket.spec.param_indices, bucket.params):
+                        eager[index] = param.numel() >= min_numel
+        return eager
+
     @torch.no_grad()
     def alias_grads(self) -> None:
         """Make every existing ``param.grad`` a view into its bucket (values kept)."""

@@ -45,8 +45,6 @@ from lightning_ddpx.engine.sparse import sparse_refusal
 from lightning_ddpx.engine.static_graph import StaticGraph
 from lightning_ddpx.engine.transport import (
     CommHook,
-    MeanAllReduce,
-    SharedMemorySum,
     Transport,
     choose_default,
     hook_name,
@@ -158,23 +156,12 @@ class Reducer:
         if self.gradient_as_bucket_view:
             self.layout.alias_grads()
         self.transport.set_layout(self.buckets)
-        self._eager = self._eager_copies()
+        # Large gradients go into their bucket as soon as they are ready, still in cache (BucketLayout.
+        # eager_copies); CUDA keeps its stream-ordered path, bucket views need no copy.
+        eager = not self._on_cuda and not self.gradient_as_bucket_view
+        self._eager = self.layout.eager_copies(EAGER_COPY_MIN_NUMEL if eager else None)
         self.plan_history.append((self.iterations_synced, self.layout.infos()))
         self._reset_iteration()
-
-    def _eager_copies(self) -> bytearray:
-        """Per parameter: whether its gradient goes into its bucket as soon as it is ready, as in torch's
-        reducer, while it is still in cache (a copy at the bucket's launch reads it back from memory). Large
-        dense gradients on the CPU without bucket views; small ones wait for the bucket's one batched copy
-        (a copy each would cost more in dispatch than it saves); CUDA keeps its stream-ordered path."""
-        eager = bytearray(len(self.params))
-        if self._on_cuda or self.gradient_as_bucket_view:
-            return eager
-        for bucket in self.buckets:
-            if not bucket.spec.sparse:
-                for index, param in zip(bucket.spec.param_indices, bucket.params):
-                    eager[index] = param.numel() >= EAGER_COPY_MIN_NUMEL
-        return eager
 
     def _copy_now(self, index: int, b: int) -> None:
         """Parameter ``index``'s gradient is ready: into bucket ``b`` (or the transport's target) now."""
@@ -583,16 +570,11 @@ class Reducer:
         # "used since the last synchronisation" (no_sync gradients) follows each parameter to its new index
         used_before = {id(p) for p, used in zip(self.params, self.locally_used) if used}
         self._set_params(params, names, sparse_gradients, bytearray(id(p) in used_before for p in params))
-        # shared-memory slots are sized for whole parameters: kept if they hold the new set (a subset does),
-        # else mapped anew (collectives and a new file on two CPU ranks: not on every toggle)
-        transport = self.transport
-        if isinstance(transport, MeanAllReduce) and not (
-            isinstance(transport, SharedMemorySum)
-            and transport.exchange.holds([p.numel() * p.element_size() for p in self.params])
-        ):
-            transport.close()
+        old = self.transport
+        if not old.serves(self.params):  # the default path is chosen anew: shared memory may fit now
+            old.close()
             self.transport = self._default_transport()
-            self.transport.set_divisor(transport.divisor)  # join's count of ranks still training stays
+            self.transport.set_divisor(old.divisor or self.world_size)  # join's count of ranks stays
         self._start_planning()
 
     def set_overlap(self, overlap: Any) -> None:

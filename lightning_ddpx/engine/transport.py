@@ -84,6 +84,11 @@ class Transport:
     def describe(self) -> str:
         return f"the communication hook {self.name}"
 
+    def serves(self, params: Sequence[torch.nn.Parameter]) -> bool:
+        """Whether this transport goes on serving a new parameter set (the trainable set changed): a
+        registered hook does."""
+        return True
+
     def set_divisor(self, count: int) -> None:
         """A registered hook divides by what it likes: nothing to change."""
 
@@ -120,6 +125,9 @@ class MeanAllReduce(Transport):
     def describe(self) -> str:
         return "the mean all-reduce (no hook)"
 
+    def serves(self, params: Sequence[torch.nn.Parameter]) -> bool:
+        return False  # the default path is chosen anew for new parameters (choose_default)
+
     def set_divisor(self, count: int) -> None:
         """Average over ``count`` ranks from now on (``join(divide_by_initial_world_size=False)`` sets the
         number of ranks still training, as torch does)."""
@@ -139,6 +147,11 @@ class SharedMemorySum(MeanAllReduce):
 
     def describe(self) -> str:
         return "the shared-memory sum of two CPU ranks (no hook)"
+
+    def serves(self, params: Sequence[torch.nn.Parameter]) -> bool:
+        """The slots are sized for whole parameters: they hold a new set that fits (a subset does), else
+        they are mapped anew (collectives and a new file: not on every toggle)."""
+        return self.exchange.holds([p.numel() * p.element_size() for p in params])
 
     def begin_reduction(self) -> None:
         self.exchange.next_generation()  # every reduction, so that it stays in step with the other rank
