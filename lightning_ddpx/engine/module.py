@@ -368,7 +368,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             active=True,
             will_sync=will_sync,
             will_verify=will_sync and not self._settings_verified and self.world_size > 1,
-            will_rebuild=will_sync and self.reducer.rebuild_pending,
+            will_rebuild=will_sync and self.reducer.planner.rebuild_pending,
             will_broadcast_buffers=sync_buffers,
             will_share_bitmap=will_sync and self.reducer.shares_used_bitmap,
         )
@@ -655,7 +655,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         return settings
 
     def _rebuilt_plan(self) -> list[BucketInfo] | None:
-        return self.reducer.bucket_infos() if self.reducer.has_rebuilt_buckets else None
+        return self.reducer.bucket_infos() if self.reducer.planner.rebuilt else None
 
     @property
     def synchronised_steps(self) -> int:

@@ -163,14 +163,6 @@ class Reducer:
         self.plan_history.append((self.iterations_synced, self.layout.infos()))
         self._reset_iteration()
 
-    def _copy_now(self, index: int, b: int) -> None:
-        """Parameter ``index``'s gradient is ready: into bucket ``b`` (or the transport's target) now."""
-        bucket = self.buckets[b]
-        target = self.transport.fill_target(b, bucket)
-        bucket.copy_one(self._position_of[index], target, self.transport.scale)
-        self._copied[index] = 1
-        self._copied_in_bucket[b] += 1
-
     def bucket_infos(self) -> list[BucketInfo]:
         return self.layout.infos()
 
@@ -230,16 +222,6 @@ class Reducer:
             self._rebuild_buckets(rebuild_src)
 
     @property
-    def has_rebuilt_buckets(self) -> bool:
-        """The buckets follow the observed gradient order now (torch: rebuilt after the first iteration)."""
-        return self.planner.rebuilt
-
-    @property
-    def rebuild_pending(self) -> bool:
-        """Buckets will be re-planned at the next synchronising forward (after the first backward)."""
-        return self.planner.rebuild_pending
-
-    @property
     def shares_used_bitmap(self) -> bool:
         """Whether a synchronised backward now all-reduces the used-parameter bitmap after its buckets."""
         if self.static is not None:
@@ -287,7 +269,8 @@ class Reducer:
 
         def on_grad_accumulated(_param: torch.Tensor) -> None:
             # Runs once per parameter per backward, so it does the minimum: a few list and bytearray stores
-            # and one counter decrement; everything per bucket (copies, views, the hook) waits for _launch.
+            # and one counter decrement (and the copy of a large gradient, _copy_now); everything per bucket
+            # (the batched copy of the small gradients, views, the hook) waits for _launch.
             if self.phase is not reducing:
                 if self.phase is Phase.IDLE:
                     self._accumulate_locally(index)
@@ -341,13 +324,11 @@ class Reducer:
             self.locally_used[index] = 1
             if self._eager[index]:
                 self._copy_now(index, b)
-            elif self._on_cuda:
-                as_view = self.gradient_as_bucket_view and not self.buckets[b].spec.sparse
-                self.streams.note(
-                    index,
-                    self.params[index],
-                    self.buckets[b].views[self._position_of[index]] if as_view else None,
-                )
+            elif self._on_cuda:  # its stream noted; with bucket views, copied into its view on that stream
+                bucket = self.buckets[b]
+                as_view = self.gradient_as_bucket_view and not bucket.spec.sparse
+                view = bucket.views[self._position_of[index]] if as_view else None
+                self.streams.note(index, self.params[index], view)
         else:
             self._unused_in_bucket[b] += 1
             if self._on_cuda:  # a gradient kept from earlier backwards is copied on the launch stream
@@ -357,6 +338,14 @@ class Reducer:
         self._pending[b] -= 1
         if not self._pending[b] and b == self._next_launch:
             self._launch_ready_buckets()
+
+    def _copy_now(self, index: int, b: int) -> None:
+        """Parameter ``index``'s gradient is ready: into bucket ``b`` (or the transport's target) now."""
+        bucket = self.buckets[b]
+        target = self.transport.fill_target(b, bucket)
+        bucket.copy_one(self._position_of[index], target, self.transport.scale)
+        self._copied[index] = 1
+        self._copied_in_bucket[b] += 1
 
     def _launch_ready_buckets(self) -> None:
         while self._next_launch < len(self.buckets) and self._pending[self._next_launch] == 0:
