@@ -82,7 +82,7 @@ def run_rank(rank: int, world_size: int, layers: int, steps: int, warmup: int, b
 
     # The walk alone, on outputs of the same model, as the dynamic path does it once per step.
     ours = models["ours-dynamic"]
-    index_of = ours.reducer._index_of
+    index_of = ours.reducer.index_of
     output = ours.module(inputs)
     walks = []
     for _ in range(20):
