@@ -127,19 +127,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if bucket_cap_mb is None:
             bucket_cap_mb = 25.0  # torch's None: its default cap
         _validate_arguments(module, bucket_cap_mb, first_bucket_cap_mb)
-        if check_reduction:
-            warnings.warn(
-                "lightning_ddpx.DistributedDataParallel: check_reduction is ignored (the reduction always "
-                "completes); remove it. As torch says: The `check_reduction` argument in "
-                "`DistributedDataParallel` module is deprecated. Please avoid using it.",
-                FutureWarning,
-                stacklevel=2,
-            )
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "lightning_ddpx.DistributedDataParallel needs an initialised default process group: call "
-                "torch.distributed.init_process_group(...) first (Lightning's DDPXStrategy does this for you)."
-            )
+        _refuse_unusable_setup(check_reduction)
         # gloo's workers may still be releasing this module's last collective when the script ends: wait for
         # them at exit, or the process can abort (lightning_ddpx.engine.exit_threads).
         register_exit_handler()
@@ -174,16 +162,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         _check_sync_batchnorm(module, self.device)
         # Every rank's shared-memory obstacles (lightning_ddpx.engine.shared_memory), carried by the model check;
         # without the check the reducer gathers them itself
-        self._shared_memory_obstacles: list[int] | None = None
-        if init_sync:
-            with waiting_for("every rank to describe its model (construction)", self.process_group):
-                self._shared_memory_obstacles = verify_same_parameters(
-                    named, self.process_group, self.device, local_obstacles(self.device.type == "cpu")
-                )
-            with waiting_for("rank 0's parameters and buffers (construction)", self.process_group):
-                broadcast_from_rank0(
-                    [p.detach() for _, p in named] + self._synced_buffers(), self.process_group
-                )
+        self._shared_memory_obstacles = self._initial_sync(named) if init_sync else None
         # requires_grad may change later: followed at each synchronising forward
         self._trainable = TrainableSet(named, unused_allowed=find_unused_parameters)
         self._pending_layout: dict[str, Any] | None = None  # a loaded layout for parameters frozen now
@@ -194,6 +173,18 @@ class DistributedDataParallel(nn.Module, Joinable):
                 f"(torch: {_TORCH_NO_GRAD_PHRASE})"
             )
         self._reducer: Reducer | None = self._new_reducer()
+
+    def _initial_sync(self, named: list[tuple[str, nn.Parameter]]) -> list[int]:
+        """Collective: every rank holds the same model (else every rank raises naming the first difference),
+        then takes rank 0's parameters and buffers. Returns every rank's shared-memory obstacles, which the
+        model check's all-gather carries (no collective of their own)."""
+        with waiting_for("every rank to describe its model (construction)", self.process_group):
+            obstacles = verify_same_parameters(
+                named, self.process_group, self.device, local_obstacles(self.device.type == "cpu")
+            )
+        with waiting_for("rank 0's parameters and buffers (construction)", self.process_group):
+            broadcast_from_rank0([p.detach() for _, p in named] + self._synced_buffers(), self.process_group)
+        return obstacles
 
     def _new_reducer(self) -> Reducer:
         """The reducer for the module's trainable parameters, with this module's options.
@@ -763,6 +754,23 @@ def _validate_arguments(module: Any, bucket_cap_mb: float, first_bucket_cap_mb: 
                 f"lightning_ddpx.DistributedDataParallel: {name} must be a positive number of MiB, got {value!r} "
                 f"(torch's default is 25 for bucket_cap_mb and 1 for first_bucket_cap_mb)."
             )
+
+
+def _refuse_unusable_setup(check_reduction: bool) -> None:
+    """torch's deprecated ``check_reduction`` warns; no default process group is an error."""
+    if check_reduction:
+        warnings.warn(
+            "lightning_ddpx.DistributedDataParallel: check_reduction is ignored (the reduction always "
+            "completes); remove it. As torch says: The `check_reduction` argument in "
+            "`DistributedDataParallel` module is deprecated. Please avoid using it.",
+            FutureWarning,
+            stacklevel=3,
+        )
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "lightning_ddpx.DistributedDataParallel needs an initialised default process group: call "
+            "torch.distributed.init_process_group(...) first (Lightning's DDPXStrategy does this for you)."
+        )
 
 
 def _resolve_forward_sync_buffers(broadcast_buffers: bool, forward_sync_buffers: bool | None) -> bool:
