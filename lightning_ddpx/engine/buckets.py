@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from lightning_ddpx._compat.torch import foreach_copy_
+from lightning_ddpx._compat.torch import foreach_copy_, foreach_mul_
 from lightning_ddpx.engine.bucketing import BucketInfo, BucketSpec
 from lightning_ddpx.engine.sparse import empty_sparse_like
 
@@ -79,7 +79,7 @@ class Bucket:
                     if copied is None:
                         buffer.mul_(scale)
                     else:
-                        torch._foreach_mul_(views, scale)
+                        foreach_mul_(views, scale)
                 return
             for param, view in zip(params, views):
                 if param.grad is None:
