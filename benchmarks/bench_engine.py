@@ -8,6 +8,7 @@
     python benchmarks/snapshot_package.py <rev> /tmp/before                      # the package at <rev> ...
     python benchmarks/bench_engine.py --before /tmp/before     # ... as a third contender: before/after a change
     DDPX_SHARED_MEMORY=0 python benchmarks/bench_engine.py --halves   # + ours with large buckets in halves
+    python benchmarks/bench_engine.py --gloo     # + ours summing over gloo where it would use shared memory
 
 Both modules train their own copy of the same model, in the same two processes, interleaved in short blocks
 (see ``benchmarks.common.interleaved_timing`` for why): the number that matters is the ratio ours/torch of
@@ -64,6 +65,7 @@ class RunConfig:
     gradient_as_bucket_view: bool
     before: str | None  # a directory holding benchmarks/snapshot_package.py's lightning_ddpx_before
     halves: bool  # a contender "halves": ours with benchmarks.alt_transports.MeanAllReduceInHalves injected
+    gloo: bool  # a contender "gloo": ours with the plain MeanAllReduce injected (no shared memory)
     lr: float
     seed: int
     verbose: bool
@@ -83,8 +85,8 @@ def run_rank(rank: int, world_size: int, config: RunConfig) -> dict[str, Any]:
         from lightning_ddpx_before import DistributedDataParallel as BeforeDDP  # type: ignore[import-not-found]
 
         classes["before"] = BeforeDDP
-    if config.halves:
-        classes["halves"] = OursDDP
+    for alternative in _alternatives(config):
+        classes[alternative] = OursDDP
     # Subnormal floats can make CPU arithmetic 10-100x slower at random points as weights drift; flushing them
     # keeps the arithmetic cost constant so that only the data-parallel machinery differs between contenders.
     torch.set_flush_denormal(True)
@@ -96,6 +98,10 @@ def run_rank(rank: int, world_size: int, config: RunConfig) -> dict[str, Any]:
         from benchmarks.alt_transports import MeanAllReduceInHalves
 
         wrapped["halves"].reducer.use_transport(MeanAllReduceInHalves(wrapped["halves"].process_group))
+    if config.gloo:
+        from lightning_ddpx.engine.transport import MeanAllReduce
+
+        wrapped["gloo"].reducer.use_transport(MeanAllReduce(wrapped["gloo"].process_group))
     if config.noop:
         for ddp in wrapped.values():
             ddp.register_comm_hook(None, noop_hook)
@@ -140,7 +146,12 @@ def run_rank(rank: int, world_size: int, config: RunConfig) -> dict[str, Any]:
 
 
 def _contenders(config: RunConfig) -> tuple[str, ...]:
-    return CONTENDERS + (("before",) if config.before else ()) + (("halves",) if config.halves else ())
+    return CONTENDERS + (("before",) if config.before else ()) + _alternatives(config)
+
+
+def _alternatives(config: RunConfig) -> tuple[str, ...]:
+    """Contenders that are ours with another transport injected (benchmarks/alt_transports.py)."""
+    return tuple(name for name, wanted in (("halves", config.halves), ("gloo", config.gloo)) if wanted)
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
@@ -171,6 +182,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             gradient_as_bucket_view=args.gradient_as_bucket_view,
             before=args.before,
             halves=args.halves,
+            gloo=args.gloo,
             lr=args.lr,
             seed=args.seed,
             verbose=not args.quiet,
@@ -204,15 +216,15 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 "before_vs_torch": asdict(before),
                 "ours_vs_before": asdict(after),
             }
-        if config.halves:
-            halves = summarize_pair(rank0["times_s"]["ours"], rank0["times_s"]["halves"])
+        for alternative in _alternatives(config):
+            pair = summarize_pair(rank0["times_s"]["ours"], rank0["times_s"][alternative])
             print(
-                f"[{name}] halves/ours {halves.ratio:.3f} [p25 {halves.ratio_p25:.3f}, p75 {halves.ratio_p75:.3f}]",
+                f"[{name}] {alternative}/ours {pair.ratio:.3f} [p25 {pair.ratio_p25:.3f}, p75 {pair.ratio_p75:.3f}]",
                 flush=True,
             )
-            results.setdefault("halves", {})[name] = {
-                "halves_ms": [1e3 * t for t in rank0["times_s"]["halves"]],
-                "halves_vs_ours": asdict(halves),
+            results.setdefault(alternative, {})[name] = {
+                f"{alternative}_ms": [1e3 * t for t in rank0["times_s"][alternative]],
+                f"{alternative}_vs_ours": asdict(pair),
             }
         if diff != 0.0:
             print(
@@ -316,6 +328,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--halves",
         action="store_true",
         help="a contender: ours with large buckets reduced in halves (benchmarks/alt_transports.py)",
+    )
+    parser.add_argument(
+        "--gloo",
+        action="store_true",
+        help="a contender: ours summing over gloo (MeanAllReduce injected) where it would use shared memory",
     )
     parser.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)

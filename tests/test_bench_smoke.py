@@ -113,9 +113,13 @@ def test_engine_benchmark_times_a_snapshot_and_an_injected_transport(tmp_path) -
     out = tmp_path / "bench.json"
     completed = run_benchmark(
         "bench_engine.py", "--models", "tiny", "--steps", "2", "--warmup", "2", "--block", "1", "--quiet",
-        "--world-size", "3", "--before", str(tmp_path), "--halves", "--json", str(out),
+        "--world-size", "3", "--before", str(tmp_path), "--halves", "--gloo", "--json", str(out),
     )  # fmt: skip
-    assert "before/torch" in completed.stdout and "halves/ours" in completed.stdout
+    assert (
+        "before/torch" in completed.stdout
+        and "halves/ours" in completed.stdout
+        and "gloo/ours" in completed.stdout
+    )
     results = json.loads(out.read_text())
     assert len(results["before"]["tiny"]["before_ms"]) == len(results["halves"]["tiny"]["halves_ms"]) == 2
     assert results["models"]["tiny"]["param_max_abs_diff"] == 0.0  # all contenders did the same arithmetic
