@@ -61,20 +61,6 @@ def test_fill_zeroes_parameters_without_gradient() -> None:
     assert torch.equal(bucket.buffer, expected_flat(params, bucket, 0.25))
 
 
-@pytest.mark.parametrize("scale", [None, 0.5])
-def test_single_copies_and_fill_of_the_rest_equal_one_fill(scale: float | None) -> None:
-    """Gradients copied as soon as they are ready (copy_one) plus fill() of the others = fill() of all."""
-    params = params_with_grads()
-    bucket, reference = one_bucket(params), one_bucket(params)
-    reference.fill(scale, all_used=True)
-    copied = bytearray(len(params))
-    for index in (0, 2):  # the large ones, say
-        bucket.copy_one(bucket.spec.param_indices.index(index), None, scale)
-        copied[index] = 1
-    bucket.fill(scale, all_used=True, copied=copied)
-    assert torch.equal(bucket.buffer, reference.buffer)
-
-
 def test_fill_into_a_target_leaves_the_buffer_alone() -> None:
     params = params_with_grads()
     bucket = one_bucket(params)
@@ -83,23 +69,9 @@ def test_fill_into_a_target_leaves_the_buffer_alone() -> None:
         flat[o : o + params[i].numel()].view_as(params[i])
         for o, i in zip(bucket.spec.offsets, bucket.spec.param_indices)
     ]
-    bucket.copy_one(0, (flat, views), 0.5)
-    copied = bytearray(len(params))
-    copied[bucket.spec.param_indices[0]] = 1
-    bucket.fill(0.5, all_used=True, target=(flat, views), copied=copied)
+    bucket.fill(0.5, all_used=True, target=(flat, views))
     assert torch.equal(flat, expected_flat(params, bucket, 0.5))
     assert not bucket.buffer.any()
-
-
-def test_everything_already_copied_fills_nothing() -> None:
-    params = params_with_grads()
-    bucket = one_bucket(params)
-    bucket.fill(None, all_used=True)
-    before = bucket.buffer.clone()
-    for p in params:
-        p.grad.add_(1.0)  # changed after the copies: fill() must not read them again
-    bucket.fill(None, all_used=True, copied=bytearray([1] * len(params)))
-    assert torch.equal(bucket.buffer, before)
 
 
 def test_write_back_all_used_copies_every_gradient() -> None:
@@ -150,8 +122,6 @@ def test_a_sparse_gradient_in_a_dense_bucket_is_named() -> None:
     bucket = one_bucket(params)
     with pytest.raises(RuntimeError, match=r"parameter\(s\) \['p2'\] received sparse gradients"):
         bucket.fill(None, all_used=True)
-    with pytest.raises(RuntimeError, match=r"\['p2'\]"):
-        bucket.copy_one(bucket.spec.param_indices.index(2), None, 0.5)
 
 
 def test_layout_knows_each_parameter_s_bucket_and_position() -> None:
@@ -167,41 +137,3 @@ def test_layout_knows_each_parameter_s_bucket_and_position() -> None:
         bucket = layout.buckets[layout.bucket_of[index]]
         assert bucket.params[layout.position_of[index]] is params[index]
     assert [info.parameter_names for info in layout.infos()] == [b.names for b in layout.buckets]
-
-
-def test_large_gradients_are_copied_when_ready_small_ones_with_their_bucket(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """On the CPU without bucket views, gradients of at least EAGER_COPY_MIN_NUMEL elements go into their
-    bucket as soon as they are ready (as torch's reducer copies every gradient), the rest in one batched copy
-    at the bucket's launch; the averaged gradients are the same (one rank: the local ones)."""
-    import lightning_ddpx
-    from lightning_ddpx.engine.reducer import EAGER_COPY_MIN_NUMEL
-    from tests.dist_utils import one_rank_group
-
-    with one_rank_group():
-        torch.manual_seed(0)
-        net = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 4))
-        reference = [p.detach().clone() for p in net.parameters()]
-        model = lightning_ddpx.DistributedDataParallel(net)
-        large = [p.numel() >= EAGER_COPY_MIN_NUMEL for p in model.reducer.params]
-        assert [bool(flag) for flag in model.reducer._eager] == large == [True, False, False, False]
-        copies: list[int] = []
-        real = Bucket.copy_one
-
-        def counted(bucket: Bucket, *args: object) -> None:
-            copies.append(1)
-            real(bucket, *args)  # type: ignore[arg-type]
-
-        monkeypatch.setattr(Bucket, "copy_one", counted)
-        x = torch.randn(8, 256)
-        model(x).square().mean().backward()
-        plain = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 4))
-        with torch.no_grad():
-            for p, value in zip(plain.parameters(), reference):
-                p.copy_(value)
-        plain(x).square().mean().backward()
-        assert len(copies) == 1
-        for ours, theirs in zip(model.module.parameters(), plain.parameters()):
-            assert torch.equal(ours.grad, theirs.grad)
-        model.close()

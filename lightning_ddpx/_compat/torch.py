@@ -26,7 +26,6 @@ __all__ = [
     "fake_mode_of_current_trace",
     "foreach_add_",
     "foreach_copy_",
-    "foreach_mul_",
     "foreach_sub_",
     "global_optimizer_hooks_once",
     "group_timeout",
@@ -60,9 +59,8 @@ queue_backward_callback: Callable[[Callable[[], None]], None] = (
 profiler_enabled: Callable[[], bool] = torch.autograd._profiler_enabled
 
 # Multi-tensor kernels: one call for a bucket's worth of tensors instead of one per tensor (torch.optim's
-# foreach implementations use them). _foreach_add_/_sub_/_mul_ torch >= 1.7, _foreach_copy_ torch >= 2.1.
+# foreach implementations use them). _foreach_add_/_sub_ torch >= 1.7, _foreach_copy_ torch >= 2.1.
 foreach_copy_: Callable[..., Any] = torch._foreach_copy_
-foreach_mul_: Callable[..., Any] = torch._foreach_mul_
 foreach_add_: Callable[..., Any] = torch._foreach_add_
 foreach_sub_: Callable[..., Any] = torch._foreach_sub_
 

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from lightning_ddpx._compat.torch import foreach_copy_, foreach_mul_
+from lightning_ddpx._compat.torch import foreach_copy_
 from lightning_ddpx.engine.bucketing import BucketInfo, BucketSpec
 from lightning_ddpx.engine.sparse import empty_sparse_like
 
@@ -59,52 +59,24 @@ class Bucket:
         scale: float | None,
         all_used: bool,
         target: tuple[torch.Tensor, list[torch.Tensor]] | None = None,
-        copied: bytearray | None = None,
     ) -> None:
         """Fill the buffer (or ``target``: a flat buffer laid out like it, and its views) from ``param.grad``
         (zero for parameters holding none), times ``scale`` if given. ``all_used``: every parameter of the
-        bucket produced a gradient in this backward (one batched copy then). ``copied``: per parameter
-        index, gradients already copied (:meth:`copy_one`), left alone."""
+        bucket produced a gradient in this backward (one batched copy then)."""
         buffer, views = target if target is not None else (self.buffer, self.views)
-        params = self.params
-        if copied is not None:
-            rest = [k for k, index in enumerate(self.spec.param_indices) if not copied[index]]
-            if not rest:
-                return
-            params, views = [params[k] for k in rest], [views[k] for k in rest]
         try:
             if all_used and not (scale is not None and self.fused_scale):
-                foreach_copy_(views, [p.grad for p in params])
+                foreach_copy_(views, [p.grad for p in self.params])
                 if scale is not None:
-                    if copied is None:
-                        buffer.mul_(scale)
-                    else:
-                        foreach_mul_(views, scale)
+                    buffer.mul_(scale)
                 return
-            for param, view in zip(params, views):
+            for param, view in zip(self.params, views):
                 if param.grad is None:
                     view.zero_()
                 elif scale is None:
                     view.copy_(param.grad)
                 else:
                     torch.mul(param.grad, scale, out=view)
-        except RuntimeError:
-            self.refuse_unexpected_sparse()
-            raise
-
-    @torch.no_grad()
-    def copy_one(
-        self, position: int, target: tuple[torch.Tensor, list[torch.Tensor]] | None, scale: float | None
-    ) -> None:
-        """Copy the gradient of the parameter at ``position`` into its view (of ``target`` if given), times
-        ``scale`` if given: one gradient as soon as it is ready (:meth:`fill` does the others)."""
-        view = (target[1] if target is not None else self.views)[position]
-        grad = self.params[position].grad
-        try:
-            if scale is None:
-                view.copy_(grad)
-            else:
-                torch.mul(grad, scale, out=view)
         except RuntimeError:
             self.refuse_unexpected_sparse()
             raise
@@ -237,19 +209,6 @@ class BucketLayout:
             BucketInfo(b, bucket.spec.num_bytes, bucket.spec.dtype, bucket.spec.device, bucket.names)
             for b, bucket in enumerate(self.buckets)
         ]
-
-    def eager_copies(self, min_numel: int | None) -> bytearray:
-        """Per parameter index: whether its gradient is copied into its bucket as soon as it is ready, as in
-        torch's reducer, while it is still in cache (a copy at the bucket's launch reads it back from memory):
-        dense gradients of at least ``min_numel`` elements (``None``: none). Smaller ones wait for the
-        bucket's one batched copy: a copy each would cost more in dispatch than it saves."""
-        eager = bytearray(len(self.bucket_of))
-        if min_numel is not None:
-            for bucket in self.buckets:
-                if not bucket.spec.sparse:
-                    for index, param in zip(bucket.spec.param_indices, bucket.params):
-                        eager[index] = param.numel() >= min_numel
-        return eager
 
     @torch.no_grad()
     def alias_grads(self) -> None:

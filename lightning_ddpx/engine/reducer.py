@@ -54,11 +54,6 @@ from lightning_ddpx.engine.usage_log import UsageLog
 __all__ = ["CommHook", "Phase", "Reducer"]
 
 
-# Gradients of at least this many elements are copied into their bucket when ready (Reducer._eager_copies):
-# the bucket's batched copy costs one dispatch for all its small gradients, a copy each costs one per gradient.
-EAGER_COPY_MIN_NUMEL = 16384
-
-
 class Phase(enum.Enum):
     IDLE = "idle"
     ARMED = "armed"
@@ -156,10 +151,6 @@ class Reducer:
         if self.gradient_as_bucket_view:
             self.layout.alias_grads()
         self.transport.set_layout(self.buckets)
-        # Large gradients go into their bucket as soon as they are ready, still in cache (BucketLayout.
-        # eager_copies); CUDA keeps its stream-ordered path, bucket views need no copy.
-        eager = not self._on_cuda and not self.gradient_as_bucket_view
-        self._eager = self.layout.eager_copies(EAGER_COPY_MIN_NUMEL if eager else None)
         self.plan_history.append((self.iterations_synced, self.layout.infos()))
         self._reset_iteration()
 
@@ -174,8 +165,6 @@ class Reducer:
         self._next_launch = 0
         self._futures: list[torch.futures.Future | None] = [None] * count
         self._launch_streams: list[Any] = [None] * count  # CUDA: the stream each bucket was filled on
-        self._copied = bytearray(len(self.params))  # gradients already in their bucket (_copy_now)
-        self._copied_in_bucket = [0] * count
         self.stats.begin()
         if self.static is not None:
             self.static.reset()
@@ -269,8 +258,8 @@ class Reducer:
 
         def on_grad_accumulated(_param: torch.Tensor) -> None:
             # Runs once per parameter per backward, so it does the minimum: a few list and bytearray stores
-            # and one counter decrement (and the copy of a large gradient, _copy_now); everything per bucket
-            # (the batched copy of the small gradients, views, the hook) waits for _launch.
+            # and one counter decrement; everything per bucket (the batched copy, views, the hook) waits for
+            # _launch (copying each gradient here instead, as torch does, measured no faster: docs/benchmarks.md).
             if self.phase is not reducing:
                 if self.phase is Phase.IDLE:
                     self._accumulate_locally(index)
@@ -286,8 +275,6 @@ class Reducer:
             ready[index] = 1
             self.locally_used[index] = 1
             b = self._bucket_of[index]
-            if self._eager[index]:
-                self._copy_now(index, b)
             pending = self._pending
             left = pending[b] - 1
             pending[b] = left
@@ -322,9 +309,7 @@ class Reducer:
         b = self._bucket_of[index]
         if used:
             self.locally_used[index] = 1
-            if self._eager[index]:
-                self._copy_now(index, b)
-            elif self._on_cuda:  # its stream noted; with bucket views, copied into its view on that stream
+            if self._on_cuda:  # its stream noted; with bucket views, copied into its view on that stream
                 bucket = self.buckets[b]
                 as_view = self.gradient_as_bucket_view and not bucket.spec.sparse
                 view = bucket.views[self._position_of[index]] if as_view else None
@@ -338,14 +323,6 @@ class Reducer:
         self._pending[b] -= 1
         if not self._pending[b] and b == self._next_launch:
             self._launch_ready_buckets()
-
-    def _copy_now(self, index: int, b: int) -> None:
-        """Parameter ``index``'s gradient is ready: into bucket ``b`` (or the transport's target) now."""
-        bucket = self.buckets[b]
-        target = self.transport.fill_target(b, bucket)
-        bucket.copy_one(self._position_of[index], target, self.transport.scale)
-        self._copied[index] = 1
-        self._copied_in_bucket[b] += 1
 
     def _launch_ready_buckets(self) -> None:
         while self._next_launch < len(self.buckets) and self._pending[self._next_launch] == 0:
@@ -394,7 +371,7 @@ class Reducer:
             self.streams.copy_on_producers(indices, bucket.params, bucket.views, scale, stream)
         else:
             target = self.transport.fill_target(b, bucket)
-            bucket.fill(scale, all_used, target, self._copied if self._copied_in_bucket[b] else None)
+            bucket.fill(scale, all_used, target)
             return bucket.buffer, bucket.views, target is not None
         return bucket.buffer, bucket.views, False
 
