@@ -199,3 +199,40 @@ def test_outer_sync_metrics_give_each_exchange_and_the_running_total() -> None:
         {"ddpx/outer_sync_bytes": 50.0, "ddpx/outer_sync_fragment": 1.0, "ddpx/outer_bytes_total": 300.0},
     ]
     assert outer_sync_metrics(state) == [] and outer_sync_metrics(nn.Linear(2, 2)) == []
+
+
+def test_global_parameters_hold_the_anchors_inside_and_restore_the_replica_after() -> None:
+    with one_rank_group():
+        model, state, _ = _run(6)  # period 4, 2 fragments: the replica has drifted from the anchors
+        local = [p.detach().clone() for p in model.parameters()]
+        assert any(not torch.equal(p, a) for p, a in zip(local, state.anchors))
+        with state.global_parameters():
+            for p, a in zip(model.parameters(), state.anchors):
+                assert torch.equal(p, a)
+        for p, saved in zip(model.parameters(), local):
+            assert torch.equal(p, saved)
+
+
+def test_the_convergence_bench_validates_diloco_on_the_global_model() -> None:
+    """The papers evaluate the outer (global) model, equal on every rank; validating each rank's drifted
+    replica (and averaging their losses) measures another model. The recorder swaps the anchors in for
+    validation and restores the replica for training."""
+    from lightning_ddpx.bench.convergence_worker import CurveRecorder
+
+    with one_rank_group():
+        model, state, _ = _run(6)
+        local = [p.detach().clone() for p in model.parameters()]
+        trainer = SimpleNamespace(
+            strategy=SimpleNamespace(comm_hook_state=state),
+            sanity_checking=False,
+            global_step=6,
+            callback_metrics={"val_acc": torch.tensor(0.5), "val_loss": torch.tensor(1.0)},
+        )
+        seen = []
+        for evaluate, expected in (("global", state.anchors), ("local", local)):
+            recorder = CurveRecorder("val_acc", 0, verbose=False, evaluate=evaluate)
+            recorder.on_validation_start(trainer, None)
+            seen.append(all(torch.equal(p, e) for p, e in zip(model.parameters(), expected)))
+            recorder.on_validation_end(trainer, None)
+            assert all(torch.equal(p, saved) for p, saved in zip(model.parameters(), local))
+        assert seen == [True, True]

@@ -8,6 +8,7 @@ launch works over loopback and across the network namespaces of an emulated link
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -55,8 +56,12 @@ class CurveRecorder(Callback):
     counted; the time validation takes is subtracted, so the curves compare training only.
     """
 
-    def __init__(self, metric: str, gradient_bytes: int, verbose: bool) -> None:
+    def __init__(self, metric: str, gradient_bytes: int, verbose: bool, evaluate: str = "global") -> None:
+        if evaluate not in EVALUATE:
+            raise ValueError(f"evaluate must be one of {EVALUATE}, got {evaluate!r}")
         self.metric, self.gradient_bytes, self.verbose = metric, gradient_bytes, verbose
+        self.evaluate = evaluate
+        self._swap = contextlib.ExitStack()
         self.time_s: list[float] = []
         self.train_loss: list[float | None] = []
         self.bytes_sent: list[float | None] = []
@@ -91,8 +96,15 @@ class CurveRecorder(Callback):
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._val_started = time.perf_counter()
+        state = getattr(trainer.strategy, "comm_hook_state", None)
+        if self.evaluate != "local" and hasattr(state, "global_parameters"):
+            # DiLoCo: validate the global (outer) model, as the papers do, not this rank's drifted replica
+            self._swap.enter_context(
+                state.global_parameters() if self.evaluate == "global" else _replica_mean(state.params)
+            )
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._swap.close()
         if trainer.sanity_checking:
             return
         value = trainer.callback_metrics.get(self.metric)
@@ -108,6 +120,27 @@ class CurveRecorder(Callback):
         if self.verbose:
             shown = "missing" if value is None else f"{float(value):.4f}"
             print(f"    step {point['step']:5d}  {point['time_s']:7.1f} s  {self.metric} {shown}", flush=True)
+
+
+EVALUATE = ("global", "local", "mean")  # DiLoCo's validated model: anchors, own replica, replicas' mean
+
+
+@contextlib.contextmanager
+def _replica_mean(params: list[torch.Tensor]) -> Any:
+    """The replicas' mean in ``params`` for the block (an all-reduce, not counted as training bytes)."""
+    import torch.distributed as dist
+
+    local = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p in params:
+            dist.all_reduce(p.detach())
+            p.detach().div_(dist.get_world_size())
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, saved in zip(params, local):
+                p.detach().copy_(saved)
 
 
 def _parameter_exchange_bytes(state: Any, parameter_bytes: int) -> float:
@@ -134,7 +167,9 @@ def run(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     seed_everything(config["seed"], verbose=False)
     module, datamodule = load_task(config["model"], config.get("datamodule"))
     gradient_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-    recorder = CurveRecorder(config["metric"], gradient_bytes, verbose=rank == 0)
+    recorder = CurveRecorder(
+        config["metric"], gradient_bytes, verbose=rank == 0, evaluate=config.get("evaluate", "global")
+    )
     if options is None:  # torch's DDP
         strategy: Any = "ddp"
     else:

@@ -26,10 +26,11 @@ bit.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import numbers
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Iterable, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -315,6 +316,23 @@ class DiLoCoState:
                 else:
                     param.copy_(anchor.lerp(param, alpha))
         self.syncs += 1
+
+    @contextlib.contextmanager
+    def global_parameters(self) -> Iterator[None]:
+        """Inside the block, the replica's trainable parameters hold the global model -- the anchors, the
+        outer optimizer's parameters, equal on every rank (what the papers evaluate) -- instead of this
+        rank's local values; these are restored on exit. Nothing is communicated. Right after an outer
+        step of plain DiLoCo (``overlap_steps=0``, ``mixing=0``) the two are the same."""
+        with torch.no_grad():
+            local = [p.detach().clone() for p in self.params]
+            for param, anchor in zip(self.params, self.anchors):
+                param.detach().copy_(anchor)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for param, saved in zip(self.params, local):
+                    param.detach().copy_(saved)
 
     def finish(self) -> None:
         """Wait for exchanges still in flight (their results stay pending, as in a checkpoint)."""
