@@ -81,10 +81,9 @@ def run_rank(rank: int, world_size: int, config: RunConfig) -> dict[str, Any]:
     contenders = _contenders(config)
     classes = {"torch": TorchDDP, "ours": OursDDP}
     if config.before:
-        sys.path.insert(0, config.before)
-        from lightning_ddpx_before import DistributedDataParallel as BeforeDDP  # type: ignore[import-not-found]
+        from benchmarks.snapshot_package import snapshot_module_class
 
-        classes["before"] = BeforeDDP
+        classes["before"] = snapshot_module_class(config.before)
     for alternative in _alternatives(config):
         classes[alternative] = OursDDP
     # Subnormal floats can make CPU arithmetic 10-100x slower at random points as weights drift; flushing them

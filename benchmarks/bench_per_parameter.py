@@ -92,8 +92,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     before = None
     if args.before:
-        sys.path.insert(0, args.before)
-        from lightning_ddpx_before import DistributedDataParallel as before  # type: ignore[import-not-found]
+        from benchmarks.snapshot_package import snapshot_module_class
+
+        before = snapshot_module_class(args.before)
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=120))

@@ -12,6 +12,7 @@ scratch, never committed).
 from __future__ import annotations
 
 import argparse
+import importlib
 import io
 import os
 import re
@@ -45,6 +46,14 @@ def snapshot(rev: str, dest: str) -> str:
             with open(path, "wb") as out:
                 out.write(data)
     return target
+
+
+def snapshot_module_class(dest: str) -> type:
+    """The ``DistributedDataParallel`` of the snapshot written to ``dest`` by :func:`snapshot`, importable
+    beside today's package (a benchmark's "before" contender)."""
+    if dest not in sys.path:
+        sys.path.insert(0, dest)
+    return importlib.import_module(SNAPSHOT_NAME).DistributedDataParallel
 
 
 def main(argv: list[str] | None = None) -> int:
