@@ -188,7 +188,10 @@ class Reducer:
         """Reduce through ``transport`` from now on (every rank alike, between iterations): a registered hook,
         or, in benchmarks, another path to compare. The old transport is closed."""
         if self.phase is Phase.REDUCING:
-            raise RuntimeError("lightning_ddpx: the transport can only change between iterations")
+            raise RuntimeError(
+                "lightning_ddpx: the transport can only change between iterations, not while a backward is "
+                "reducing: register the communication hook before training or between steps."
+            )
         self.transport.close()
         self.transport = transport
         transport.set_layout(self.buckets)
