@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_ddpx.engine.bucketing import megabytes_to_bytes, plan_buckets
+from lightning_ddpx.engine.bucketing import (
+    megabytes_to_bytes,
+    plan_buckets,
+    plan_initial_buckets,
+    resolve_bucket_caps,
+)
 from lightning_ddpx.engine.graph import iter_tensors, reachable_parameter_indices
 
 F32, F16, CPU = torch.float32, torch.float16, torch.device("cpu")
@@ -71,6 +76,36 @@ def test_same_buckets_as_torchs_planner(seed):
         assert sorted(ours) == sorted(theirs)
     else:
         assert ours == theirs
+
+
+@pytest.mark.parametrize("seed", range(30))
+@pytest.mark.parametrize("find_unused", [False, True], ids=["one_bucket", "find_unused"])
+def test_initial_buckets_are_torchs_construction_time_buckets(seed, find_unused):
+    """Oracle: what torch's DDP constructor plans (its planner along parameter order, with no cap unless
+    find_unused_parameters, then the bucket list reversed), on random sizes, caps and dtypes: the same
+    buckets, in the same order, each in parameter order. Past two ranks that decides the sums."""
+    gen = torch.Generator().manual_seed(seed)
+    count = int(torch.randint(1, 30, (), generator=gen))
+    numels = torch.randint(1, 200, (count,), generator=gen).tolist()
+    first, cap = (int(x) * 4 for x in torch.randint(1, 400, (2,), generator=gen))
+    dtypes = [F16 if seed % 2 and n % 3 == 0 else F32 for n in numels]
+    ours = plan_initial_buckets(numels, dtypes, [CPU] * count, first, cap, one_bucket=not find_unused)
+    tensors = [torch.empty(n, dtype=d) for n, d in zip(numels, dtypes)]
+    limits = [first, cap] if find_unused else [2**62]
+    theirs, _ = torch.distributed._compute_bucket_assignment_by_size(tensors, limits, [False] * count)
+    assert [b.param_indices for b in ours] == [tuple(b) for b in reversed(theirs)]
+    if not find_unused:
+        assert len(ours) == len(set(dtypes))
+
+
+def test_bucket_caps_follow_torchs_rule():
+    """None: torch's 25 MiB after a 1 MiB first bucket; an explicit cap sizes the first bucket too (torch
+    >= 2.3); first_bucket_cap_mb, ours, overrides the first."""
+    assert resolve_bucket_caps(None, None) == (1.0, 25.0)
+    assert resolve_bucket_caps(25, None) == (25, 25)
+    assert resolve_bucket_caps(4, None) == (4, 4)
+    assert resolve_bucket_caps(None, 0.5) == (0.5, 25.0)
+    assert resolve_bucket_caps(8, 2) == (2, 8)
 
 
 def test_dtypes_never_mix_and_each_dtype_gets_a_small_first_bucket():

@@ -151,10 +151,11 @@ def test_no_sync_accumulation_matches_torch(name: str) -> None:
 
 # ---------------------------------------------------- large buckets: shared memory, or one gloo all-reduce
 BIG_SCENARIOS: dict[str, dict] = {
-    "plain": {},
+    "plain": {},  # torch's caps: one bucket at first, then 25 MiB after a 1 MiB first bucket
     "as_view": {"gradient_as_bucket_view": True},
-    "find_unused": {"find_unused_parameters": True},
+    "find_unused": {"find_unused_parameters": True},  # torch's caps from the start, never rebuilt
     "static_graph": {"static_graph": True},
+    "explicit_cap": {"bucket_cap_mb": 1},  # torch: the first bucket 1 MiB as well
 }
 
 
@@ -171,22 +172,21 @@ def run_big(
     hooks = (
         ((None, default_hooks.allreduce_hook), (None, default_hooks.allreduce_hook)) if torch_hook else None
     )
-    # Two ranks: every element is a + b whichever collective carries it, so equality is exact. Three: gloo's
-    # ring sums an element in an order set by its offset in the bucket, and ours and torch's buckets place
-    # this model's last weight differently (measured: 2e-7 apart in 4 of 4096 gradients after two steps),
-    # and this wide tanh network amplifies such rounding step after step: two steps, atol 1e-6.
-    exact = world_size == 2
-    tolerance = {"rtol": 0.0, "atol": 0.0} if exact else {"rtol": 1e-5, "atol": 1e-6}
+    # Exact at any world size: two ranks sum a + b whichever collective carries it; past two, gloo's ring sums
+    # an element in an order set by its offset in the bucket, so this holds only because our buckets are
+    # torch's (its construction-time layout, its caps, its rebuild), and this wide tanh network would amplify
+    # any rounding difference step after step.
     return train_side_by_side(
         rank,
         wide_4mib_mlp,
         mlp_loss,
-        6 if exact else 2,
+        6,
         kwargs,
         kwargs,
         hooks=hooks,
         accumulate=accumulate,
-        **tolerance,
+        rtol=0.0,
+        atol=0.0,
     )
 
 
@@ -200,6 +200,15 @@ def test_shared_memory_sums_are_bit_identical_to_torch(name: str) -> None:
 def test_large_buckets_over_gloo_are_bit_identical_to_torch(name: str) -> None:
     results = run_distributed(run_big, 2, name, 1, False, False)  # shared memory off: gloo
     assert [result["path"] for result in results] == ["whole"] * 2
+
+
+@pytest.mark.parametrize("name", sorted(BIG_SCENARIOS))
+def test_three_ranks_are_bit_identical_to_torch(name: str) -> None:
+    """Past two ranks the sums depend on the bucket layout: ours must be torch's, at construction (one bucket
+    per dtype, or its caps along parameter order with find_unused_parameters), after the rebuild, and with
+    an explicit bucket_cap_mb (which sizes torch's first bucket too)."""
+    results = run_distributed(run_big, 3, name, 1, False, False)
+    assert [result["path"] for result in results] == ["whole"] * 3
 
 
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["shared_memory", "gloo"])

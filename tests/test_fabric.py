@@ -167,9 +167,11 @@ def results(tmp_path_factory) -> list[dict]:
 def test_accumulation_synchronises_once_per_bucket_per_window(results):
     for rank_result in results:
         assert rank_result["accumulate/buckets"] == 2
-        assert rank_result["accumulate/counts"] == {"syncs": WINDOWS, "buckets": WINDOWS * 2}
+        # the first synchronisation reduces torch's construction-time layout, one bucket; then two
+        assert rank_result["accumulate/counts"] == {"syncs": WINDOWS, "buckets": 1 + (WINDOWS - 1) * 2}
         stats = rank_result["accumulate/stats"]  # take_comm_stats: synchronised steps only
-        assert stats.steps == WINDOWS and stats.buckets == 2 and stats.bytes_to_hook > 0
+        assert stats.steps == WINDOWS and stats.buckets == (1 + (WINDOWS - 1) * 2) / WINDOWS  # mean per step
+        assert stats.bytes_to_hook > 0
         assert stats.bytes_sent is None  # the counting test hook does not report what it sends
 
 

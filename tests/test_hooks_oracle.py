@@ -341,11 +341,14 @@ def resume_on_our_module(rank: int, world_size: int, hook_name: str) -> dict[str
     for i in range(6):
         step(model, optimizer, i)
     buffer = io.BytesIO()
+    # the layout too: batched PowerSGD keys its memory by bucket, and a fresh module starts from torch's
+    # construction-time buckets (one), not the rebuilt ones the memory was built for
     torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                "hook": state.state_dict()}, buffer)  # fmt: skip
+                "hook": state.state_dict(), "layout": model.reducer_state_dict()}, buffer)  # fmt: skip
     checkpoint = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
     model, optimizer, state = fresh()
     model.module.load_state_dict(checkpoint["model"])
+    model.load_reducer_state_dict(checkpoint["layout"])
     optimizer.load_state_dict(checkpoint["optimizer"])
     state.load_state_dict(checkpoint["hook"])
     for i in range(6, 10):

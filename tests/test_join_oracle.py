@@ -198,8 +198,8 @@ def run_powersgd(rank: int, world_size: int, batched: bool, debug: bool = False)
     options = {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2}
     state, hook = hooks.build_comm_hook("batched_powersgd" if batched else "powersgd", powersgd=options)
     model.register_comm_hook(state, hook)
-    assert len(model.bucket_plan()) > 1
     _train(model, COUNTS[world_size][rank], conv=False, accumulate=1, join_kwargs={})
+    assert len(model.bucket_plan()) > 1  # rebuilt after the first step (torch's one bucket before)
     # one more even step after the join: the joined ranks' PowerSGD state is in step with the others'
     _train(model, 1, conv=False, accumulate=1, join_kwargs={"enable": False})
     return _params(model)

@@ -96,11 +96,8 @@ def wrap(contender: Contender, module: nn.Module, bucket_cap_mb: float | None) -
     ``bucket_cap_mb`` applies unless the contender fixes its own; ``None``: the constructor's default layout.
     """
     buckets: dict[str, float] = {}
-    if contender.bucket_cap_mb is not None:
-        # torch: an explicit bucket_cap_mb also sizes the first bucket; ours needs it said.
+    if contender.bucket_cap_mb is not None:  # an explicit cap sizes the first bucket too (torch's rule, ours)
         buckets = {"bucket_cap_mb": contender.bucket_cap_mb}
-        if not contender.torch_ddp:
-            buckets["first_bucket_cap_mb"] = contender.bucket_cap_mb
     elif bucket_cap_mb is not None:
         buckets = {"bucket_cap_mb": bucket_cap_mb}
     if contender.torch_ddp:

@@ -1,7 +1,7 @@
 """Pure bucket planning: which parameters share a flat gradient buffer, and where each one sits in it.
 
 No process group here, so the rules are testable in one process. Buckets are formed along an order that
-approximates when gradients become ready (reverse parameter order at construction, the observed ready
+approximates when gradients become ready (torch's construction-time plan at first, the observed ready
 order after the first iteration), because a bucket can only be launched once all its gradients exist.
 """
 
@@ -12,7 +12,10 @@ from typing import Hashable, Sequence
 
 import torch
 
-__all__ = ["BucketInfo", "BucketSpec", "chunk_ranges", "plan_buckets", "megabytes_to_bytes"]
+__all__ = [
+    "BucketInfo", "BucketSpec", "chunk_ranges", "megabytes_to_bytes", "plan_buckets", "plan_initial_buckets",
+    "resolve_bucket_caps",
+]  # fmt: skip
 
 _MB = 1024 * 1024
 
@@ -20,6 +23,23 @@ _MB = 1024 * 1024
 def megabytes_to_bytes(megabytes: float) -> int:
     """MiB to bytes, as torch interprets ``bucket_cap_mb``."""
     return int(megabytes * _MB)
+
+
+DEFAULT_BUCKET_CAP_MB = 25.0
+DEFAULT_FIRST_BUCKET_CAP_MB = 1.0  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES
+
+
+def resolve_bucket_caps(
+    bucket_cap_mb: float | None, first_bucket_cap_mb: float | None
+) -> tuple[float, float]:
+    """(first bucket's cap, every other bucket's cap) in MiB, by torch's rule: ``bucket_cap_mb=None`` (its
+    default) means 25 MiB buckets after a 1 MiB first one; an explicit ``bucket_cap_mb`` sizes every bucket,
+    the first included. ``first_bucket_cap_mb`` (ours, ``None`` by default) sets the first one explicitly.
+    The same caps give the same buckets as torch's DDP, and so, past two ranks, the same sums."""
+    cap = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
+    if first_bucket_cap_mb is not None:
+        return first_bucket_cap_mb, cap
+    return (DEFAULT_FIRST_BUCKET_CAP_MB if bucket_cap_mb is None else cap), cap
 
 
 @dataclass(frozen=True)
@@ -106,6 +126,31 @@ def plan_buckets(
     if sparse is not None:
         specs = [replace(spec, sparse=True) if sparse[spec.param_indices[0]] else spec for spec in specs]
     return specs
+
+
+def plan_initial_buckets(
+    numels: Sequence[int],
+    dtypes: Sequence[torch.dtype],
+    devices: Sequence[torch.device],
+    first_cap_bytes: int,
+    cap_bytes: int,
+    one_bucket: bool,
+    sparse: Sequence[bool] | None = None,
+) -> list[BucketSpec]:
+    """torch's layout at construction, used until the first rebuild (or for good where none comes).
+
+    torch assigns buckets along *parameter* order, sorts them by their lowest parameter index and launches
+    them in reverse, each keeping parameter order inside. With ``one_bucket`` (torch: no
+    ``find_unused_parameters``, or ``static_graph``, where parameter order may be far from the ready order
+    and the rebuild will follow the observed one) every (dtype, device) gets one bucket; otherwise the caps
+    apply, the small first cap to the parameters defined first, whose gradients are ready last. The layout
+    matters beyond speed: past two ranks the ring all-reduce's summation order depends on where each
+    gradient sits in its buffer, so only torch's layout gives torch's sums bit for bit.
+    """
+    unbounded = sum(numels) * 8 + 1  # above any bucket's bytes
+    first, cap = (unbounded, unbounded) if one_bucket else (first_cap_bytes, cap_bytes)
+    specs = plan_buckets(numels, dtypes, devices, range(len(numels)), first, cap, sparse=sparse)
+    return sorted(specs, key=lambda spec: spec.param_indices[0], reverse=True)
 
 
 def _split_tail(

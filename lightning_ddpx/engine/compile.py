@@ -125,7 +125,7 @@ class PlanAwareCompiled:
         ddp_model = self._ddp()
         if ddp_model is None:  # the wrapper is gone (e.g. after Trainer.fit): plain compiled call
             return self._compile_plain()(*args, **kwargs)
-        if not ddp_model.reducer_state_dict()["rebuilt"]:
+        if not ddp_model.reducer.planner.settled:  # compiled along the final bucket layout only
             with torch.compiler.set_stance("force_eager"):
                 return self.original(*args, **kwargs)
         key = tuple(info.parameter_names for info in ddp_model.bucket_plan())

@@ -20,7 +20,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from lightning_ddpx._compat.torch import default_group, inputs_to_device
 from lightning_ddpx.engine.backend_support import check_bf16_hook
-from lightning_ddpx.engine.bucketing import BucketInfo, megabytes_to_bytes
+from lightning_ddpx.engine.bucketing import BucketInfo, megabytes_to_bytes, resolve_bucket_caps
 from lightning_ddpx.engine.comm_stats import CommStatsSummary, StepCommStats
 from lightning_ddpx.engine.consistency import (
     broadcast_from_rank0,
@@ -74,7 +74,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             hold the same weights.
         process_group: the group to average over (default: the whole world).
         bucket_cap_mb: cap of each gradient bucket in MiB; smaller buckets start communicating earlier,
-            larger ones make fewer, more efficient collectives. ``None``: torch's default, 25.
+            larger ones make fewer, more efficient collectives. ``None``: torch's default, 25 MiB after a
+            1 MiB first bucket; a number sizes every bucket, the first included (torch's rule).
         find_unused_parameters: walk the autograd graph from forward's outputs each iteration and treat
             parameters it cannot reach as having a zero gradient (needed when forward skips parameters).
         check_reduction: deprecated by torch and ignored (the reduction always completes); ``True`` warns.
@@ -84,8 +85,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             same every iteration. The first synchronised iteration records it; later ones mark unused
             parameters without walking the autograd graph, and support activation checkpointing (reentrant
             or not) and parameters whose gradient arrives more than once per backward.
-        first_bucket_cap_mb: cap of the first bucket launched, kept small so communication starts early
-            (torch fixes it at 1 MiB).
+        first_bucket_cap_mb: cap of the first bucket launched (ours). ``None``: torch's rule, 1 MiB when
+            ``bucket_cap_mb`` is ``None``, else ``bucket_cap_mb``.
         forward_sync_buffers: torch 2.13's name for ``broadcast_buffers`` (``None``: take
             ``broadcast_buffers``); given, it wins, as in torch.
         skip_all_reduce_unused_params, batched_grad_copy: torch's optimisations that leave every gradient
@@ -106,13 +107,13 @@ class DistributedDataParallel(nn.Module, Joinable):
         broadcast_buffers: bool = True,
         init_sync: bool = True,
         process_group: dist.ProcessGroup | None = None,
-        bucket_cap_mb: float | None = 25.0,
+        bucket_cap_mb: float | None = None,
         find_unused_parameters: bool = False,
         check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
         *,
-        first_bucket_cap_mb: float = 1.0,
+        first_bucket_cap_mb: float | None = None,
         forward_sync_buffers: bool | None = None,
         skip_all_reduce_unused_params: bool = False,
         batched_grad_copy: bool = False,
@@ -124,8 +125,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         # Options of whoever drives this module that change its collectives (the strategies' uneven_inputs,
         # verify_replicas_every_n_steps...): compared across ranks with the module's own settings.
         self.driver_settings: dict[str, str] = {}
-        if bucket_cap_mb is None:
-            bucket_cap_mb = 25.0  # torch's None: its default cap
         _validate_arguments(module, bucket_cap_mb, first_bucket_cap_mb)
         _refuse_unusable_setup(check_reduction)
         # gloo's workers may still be releasing this module's last collective when the script ends: wait for
@@ -145,8 +144,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
-        self.bucket_cap_mb = bucket_cap_mb
-        self.first_bucket_cap_mb = first_bucket_cap_mb
+        # torch's caps, hence torch's buckets and (past two ranks) torch's sums
+        self.first_bucket_cap_mb, self.bucket_cap_mb = resolve_bucket_caps(bucket_cap_mb, first_bucket_cap_mb)
         self.require_backward_grad_sync = True
         self._sync_buffers_next_forward = True  # torch: only after a forward that synchronised
         # The rank whose buffers every forward broadcasts. The strategies' uneven-inputs handling moves it off
@@ -724,9 +723,10 @@ class DistributedDataParallel(nn.Module, Joinable):
     def bucket_plan_history(self) -> list[tuple[int, list[BucketInfo]]]:
         """Every bucket plan this module used, as ``(synchronised iterations before it, plan)``.
 
-        The first entry is the construction-time plan (reverse parameter order); a second one appears when
-        buckets were rebuilt from the gradient order observed in the first iteration, or when a checkpoint's
-        layout was loaded.
+        The first entry is the construction-time plan (torch's: one bucket per dtype unless
+        ``find_unused_parameters``); a second one appears when buckets were rebuilt from the observed gradient
+        order (after the first iteration; the second with ``static_graph``), or when a checkpoint's layout
+        was loaded.
         """
         return list(self.reducer.plan_history)
 
@@ -743,16 +743,18 @@ class DistributedDataParallel(nn.Module, Joinable):
         return self.reducer.stats.window.take()
 
 
-def _validate_arguments(module: Any, bucket_cap_mb: float, first_bucket_cap_mb: float) -> None:
+def _validate_arguments(module: Any, bucket_cap_mb: float | None, first_bucket_cap_mb: float | None) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(
             f"lightning_ddpx.DistributedDataParallel wraps an nn.Module, got {type(module).__name__}"
         )
     for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
+        if value is None:
+            continue
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
             raise ValueError(
                 f"lightning_ddpx.DistributedDataParallel: {name} must be a positive number of MiB, got {value!r} "
-                f"(torch's default is 25 for bucket_cap_mb and 1 for first_bucket_cap_mb)."
+                "or None (torch's default: 25 MiB buckets after a 1 MiB first one)."
             )
 
 

@@ -128,11 +128,12 @@ class Reducer:
         self.locally_used = used  # read by the optimizer overlap, like index_of (id(param) -> index)
 
     def _start_planning(self) -> None:
-        """Buckets in reverse parameter order, re-planned after the next synchronised backward; gradient hooks."""
+        """torch's construction-time buckets, re-planned after the observed ready order; gradient hooks."""
         self.planner = BucketPlanner(
-            self.params, self.names, self.sparse_gradients, self.first_cap_bytes, self.cap_bytes
-        )
-        self._install_plan(list(reversed(range(len(self.params)))))
+            self.params, self.names, self.sparse_gradients, self.first_cap_bytes, self.cap_bytes,
+            self.find_unused_parameters, self.static_graph,
+        )  # fmt: skip
+        self._install_plan(None)
         self._handles = [
             p.register_post_accumulate_grad_hook(self._make_grad_hook(i)) for i, p in enumerate(self.params)
         ]
@@ -144,8 +145,14 @@ class Reducer:
         return transport
 
     # ----------------------------------------------------------------------------------------- plan
-    def _install_plan(self, order: Sequence[int]) -> None:
-        self.layout = self.planner.layout(order, small_last_bucket=self.overlap is not None)
+    def _install_plan(self, order: Sequence[int] | None) -> None:
+        """Plan buckets along ``order`` (a ready order), or ``None``: the layout before any rebuild."""
+        small_last_bucket = self.overlap is not None
+        planner = self.planner
+        if order is None:
+            self.layout = planner.initial_layout(small_last_bucket)
+        else:
+            self.layout = planner.layout(order, small_last_bucket)
         self.buckets: list[Bucket] = self.layout.buckets
         self._bucket_of, self._position_of = self.layout.bucket_of, self.layout.position_of
         if self.gradient_as_bucket_view:
@@ -172,6 +179,7 @@ class Reducer:
     def set_static_graph(self) -> None:
         """From the next synchronised backward on, as if built with ``static_graph=True`` (before the first)."""
         self.static_graph = True
+        self.planner.allow_rebuild()
         if self.static is None:
             self.static = StaticGraph(self.names)
 
@@ -529,7 +537,7 @@ class Reducer:
     ) -> None:
         """Reduce ``params`` from now on: the module's trainable parameters changed (``requires_grad`` flipped
         after wrapping; :mod:`lightning_ddpx.engine.trainable_set`). Every rank calls this between iterations
-        with the same list. As at construction: gradient hooks on the new list, buckets in reverse order,
+        with the same list. As at construction: gradient hooks on the new list, torch's initial buckets,
         re-planned from the next synchronised backward's gradient order, static_graph recording anew; the
         hook, its state and the overlap stay."""
         if self.phase is not Phase.IDLE:
@@ -553,7 +561,7 @@ class Reducer:
         replan = (overlap is None) != (self.overlap is None)
         self.overlap = overlap
         if replan:
-            self._install_plan(self.layout.parameter_order())
+            self._install_plan(self.layout.parameter_order() if self.planner.rebuilt else None)
 
     def order_state(self) -> dict[str, Any]:
         """The bucket layout as plain values: parameter names in buffer order, and whether it was rebuilt."""
@@ -564,6 +572,9 @@ class Reducer:
         see, exactly the buckets the saved run had. Every rank must load the same state."""
         if self.phase is not Phase.IDLE:
             raise RuntimeError("lightning_ddpx: a bucket layout can only be loaded between iterations")
-        self._install_plan(self.planner.saved_order(state))
+        order = self.planner.saved_order(state)  # checked first: the parameters must be the same
         if state.get("rebuilt", True):
             self.planner.finish_rebuilding()
+            self._install_plan(order)
+        else:
+            self._install_plan(None)

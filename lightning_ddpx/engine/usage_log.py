@@ -43,6 +43,7 @@ class UsageLog:
         self.sample_rate = _DEFAULT_SAMPLE_RATE
         self.iteration = 0
         self.rebuilt_bucket_sizes: str | None = None
+        self.has_rebuilt_buckets: int | None = None  # set at the first sampled iteration, as torch's
         self._sync_forwards = 0
 
     def record(self, error: BaseException) -> None:
@@ -66,6 +67,7 @@ class UsageLog:
             return
         self.iteration = before
         plan = rebuilt_plan()
+        self.has_rebuilt_buckets = int(plan is not None)
         if plan is not None:
             self.rebuilt_bucket_sizes = _joined(info.num_bytes for info in plan)
 
@@ -115,8 +117,9 @@ def logging_data(
     }
     env = {**_ENV_KEYS, **(_GLOO_ENV_KEYS if backend == "gloo" else {})}
     data.update({key: os.environ.get(name, "N/A") for key, name in env.items()})
+    if log.has_rebuilt_buckets is not None:
+        data["has_rebuilt_buckets"] = log.has_rebuilt_buckets
     if log.rebuilt_bucket_sizes is not None:
-        data["has_rebuilt_buckets"] = 1
         data["rebuilt_bucket_sizes"] = log.rebuilt_bucket_sizes
     if log.error is not None:
         data["has_error"] = 1

@@ -73,8 +73,12 @@ def _option(
 
 def _positive_megabytes(name: str) -> Callable[[Any], None]:
     def check(value: Any) -> None:
+        if value is None:
+            return
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"DDPXStrategy: {name} must be a positive number of MiB, got {value!r}.")
+            raise ValueError(
+                f"DDPXStrategy: {name} must be a positive number of MiB or None (torch's default), got {value!r}."
+            )
 
     return check
 
@@ -140,12 +144,16 @@ class DDPXConfig:
         '``precision`` of the outer all-reduce (``"fp32"``, ``"bf16"``, ``"fp16"``), as a ``DiLoCoOptions`` or '
         "a dict. See docs/diloco.md.",
     )
-    bucket_cap_mb: float = _option(
-        25.0, "gradient bucket size in MiB (torch's default).", check=_positive_megabytes("bucket_cap_mb")
+    bucket_cap_mb: Optional[float] = _option(
+        None,
+        "gradient bucket size in MiB. ``None``: torch's default, 25 MiB after a 1 MiB first bucket; a number "
+        "sizes every bucket, the first included (torch's rule).",
+        check=_positive_megabytes("bucket_cap_mb"),
     )
-    first_bucket_cap_mb: float = _option(
-        1.0,
-        "size of the first bucket launched, kept small so communication starts early.",
+    first_bucket_cap_mb: Optional[float] = _option(
+        None,
+        "size of the first bucket launched, so communication starts early. ``None``: torch's rule (1 MiB "
+        "when ``bucket_cap_mb`` is ``None``, else ``bucket_cap_mb``).",
         check=_positive_megabytes("first_bucket_cap_mb"),
     )
     find_unused_parameters: bool = _option(
@@ -243,8 +251,9 @@ class DDPXConfig:
             if self.diloco is not None
             else None,
         )
-        object.__setattr__(self, "bucket_cap_mb", float(self.bucket_cap_mb))
-        object.__setattr__(self, "first_bucket_cap_mb", float(self.first_bucket_cap_mb))
+        for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, float(getattr(self, name)))
 
     @property
     def hook_name(self) -> str:
