@@ -404,12 +404,7 @@ class Reducer:
                 if self.overlap is not None:  # each bucket's parameters step as soon as it is written
                     self.last_exposed_comm_s = self.overlap.write_back_and_step(globally_used)
                 else:
-                    started = time.perf_counter()
-                    results = [self.wait_bucket(b) for b in range(len(self.buckets))]
-                    used_counts = self.used_counts(globally_used)
-                    self.last_exposed_comm_s = time.perf_counter() - started
-                    for b, result in enumerate(results):
-                        self.write_back(b, result, used_counts)
+                    self.last_exposed_comm_s = self._write_back_in_order(globally_used)
                 self.stats.finish(self.iterations_synced + 1, len(self.buckets), self.last_exposed_comm_s)
                 succeeded = True
             except Exception as error:
@@ -418,6 +413,26 @@ class Reducer:
                 raise
             finally:
                 self._end_iteration(succeeded)
+
+    def _write_back_in_order(self, globally_used: torch.futures.Future | None) -> float:
+        """Wait for each bucket in launch order and write it back at once, as torch's finalize does, so that
+        the copies of the first buckets overlap the later buckets' communication. A bucket holding a parameter
+        this rank did not use needs the used-parameter bitmap (issued after the last bucket) first. Returns
+        the seconds spent waiting."""
+        counts = self.used_counts(None) if globally_used is None else None  # a static graph's record
+        bitmap, waited = globally_used, 0.0
+        for b in range(len(self.buckets)):
+            started = time.perf_counter()
+            result = self.wait_bucket(b)
+            if bitmap is not None and not self.bucket_all_used(b):
+                counts, bitmap = self.used_counts(bitmap), None
+            waited += time.perf_counter() - started
+            self.write_back(b, result, counts)  # a bucket whose parameters all arrived reads no counts
+        if bitmap is not None:  # every bucket all used here: the bitmap is still checked (and recorded)
+            started = time.perf_counter()
+            self.used_counts(bitmap)
+            waited += time.perf_counter() - started
+        return waited
 
     def _launch_remaining(self) -> torch.futures.Future | None:
         """Mark what backward did not reach, so every bucket is launched; returns the used-parameter bitmap's

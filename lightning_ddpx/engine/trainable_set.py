@@ -18,6 +18,7 @@ collectives do not match (a hang report names the comparison it waits in).
 from __future__ import annotations
 
 import logging
+from operator import attrgetter
 from typing import Sequence
 
 import torch
@@ -27,6 +28,7 @@ from torch import nn
 __all__ = ["TrainableSet"]
 
 log = logging.getLogger(__name__)
+_requires_grad = attrgetter("requires_grad")
 
 
 class TrainableSet:
@@ -42,7 +44,7 @@ class TrainableSet:
         self.unused_allowed = unused_allowed
 
     def _current(self) -> bytes:
-        return bytes([p.requires_grad for p in self._params])
+        return bytes(map(_requires_grad, self._params))  # once per synchronising forward: C-level loop
 
     def changed(self) -> bool:
         """Whether the reducer must take up new flags: some parameter's ``requires_grad`` differs from what it
