@@ -569,3 +569,22 @@ def test_refused_calls_are_logged_as_torchs(call: str) -> None:
         assert ours[0] == theirs[0] != "ok" and torch_sentence(theirs[1]) in ours[1], (ours, theirs)
         verify_ddp_error_logged(model, ours[1])
         assert model._get_ddp_logging_data()["error"] == f"<class '{ours[0]}'>: {ours[1]}"  # torch's form
+
+
+def test_every_torch_argument_is_accepted_at_its_default_and_refused_by_name_otherwise() -> None:
+    """A drop-in takes torch's whole signature: code passing torch's arguments explicitly at their defaults
+    runs unchanged; the ones for features not implemented here raise by name for any other value."""
+    import inspect
+
+    from lightning_ddpx.engine.unsupported_options import UNSUPPORTED_TORCH_ARGUMENTS
+
+    theirs = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
+    ours = inspect.signature(lightning_ddpx.DistributedDataParallel.__init__).parameters
+    assert set(theirs) <= set(ours), f"torch's arguments missing here: {sorted(set(theirs) - set(ours))}"
+    with one_rank_group():
+        defaults = {name: theirs[name].default for name in UNSUPPORTED_TORCH_ARGUMENTS}
+        assert set(defaults.values()) == {None}
+        lightning_ddpx.DistributedDataParallel(nn.Linear(2, 2), **defaults).reducer.close()
+        for name in UNSUPPORTED_TORCH_ARGUMENTS:
+            with pytest.raises(ValueError, match=rf"torch's argument {name}=.* is not supported: "):
+                lightning_ddpx.DistributedDataParallel(nn.Linear(2, 2), **{name: [1]})

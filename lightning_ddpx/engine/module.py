@@ -39,6 +39,7 @@ from lightning_ddpx.engine.replica_check import ReplicaReport, named_state, veri
 from lightning_ddpx.engine.shared_memory import local_obstacles
 from lightning_ddpx.engine.sparse import expects_sparse_gradients
 from lightning_ddpx.engine.trainable_set import TrainableSet
+from lightning_ddpx.engine.unsupported_options import refuse_unsupported_arguments
 from lightning_ddpx.engine.usage_log import UsageLog, errors_logged, logging_data
 
 __all__ = ["DistributedDataParallel", "NothingToSynchronise"]
@@ -92,6 +93,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         skip_all_reduce_unused_params, batched_grad_copy: torch's optimisations that leave every gradient
             unchanged; accepted and kept as attributes. Our reducer copies each bucket in one batched call
             anyway, and parameters unused on every rank keep their gradient untouched either way.
+        delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision, device_mesh,
+            bucket_cap_mb_list: torch's, for features not implemented here: accepted at ``None`` (torch's
+            default), any other value refused by name with what to use instead
+            (:mod:`lightning_ddpx.engine.unsupported_options`).
 
     A wrapped model can be pickled (``torch.save(model)``) and deep-copied, as torch's can, when it averages
     over the default group: the copy leaves the process group and the reducer behind and makes new ones
@@ -117,6 +122,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         forward_sync_buffers: bool | None = None,
         skip_all_reduce_unused_params: bool = False,
         batched_grad_copy: bool = False,
+        delay_all_reduce_named_params: Any = None,
+        param_to_hook_all_reduce: Any = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        bucket_cap_mb_list: Any = None,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)  # nn.Module does not chain __init__; the join config starts disabled
@@ -126,6 +136,13 @@ class DistributedDataParallel(nn.Module, Joinable):
         # verify_replicas_every_n_steps...): compared across ranks with the module's own settings.
         self.driver_settings: dict[str, str] = {}
         _validate_arguments(module, bucket_cap_mb, first_bucket_cap_mb)
+        refuse_unsupported_arguments(
+            delay_all_reduce_named_params=delay_all_reduce_named_params,
+            param_to_hook_all_reduce=param_to_hook_all_reduce,
+            mixed_precision=mixed_precision,
+            device_mesh=device_mesh,
+            bucket_cap_mb_list=bucket_cap_mb_list,
+        )
         _refuse_unusable_setup(check_reduction)
         # gloo's workers may still be releasing this module's last collective when the script ends: wait for
         # them at exit, or the process can abort (lightning_ddpx.engine.exit_threads).
