@@ -84,7 +84,9 @@ def label(setting: dict) -> str:
     s = {**DEFAULTS, "mixing": 0.0, "precision": "fp32", **setting}
     parts = [f"H={s['period']}"]
     if s["fragments"] > 1:
-        parts += [f"F={s['fragments']}", f"tau={s['overlap_steps']}", f"mix={s['mixing']}"]
+        parts += [f"F={s['fragments']}", f"tau={s['overlap_steps']}"]
+        if s["overlap_steps"]:  # mixing applies to an overlapped exchange only
+            parts.append(f"mix={s['mixing']}")
     parts += [f"lr={s['outer_lr']}", f"mom={s['outer_momentum']}"]
     if not s["nesterov"]:
         parts.append("nesterov=False")
@@ -160,7 +162,9 @@ def table(rows: list[dict]) -> str:
         else:
             setting = {**DEFAULTS, "mixing": 0.0, "precision": "fp32", **row["setting"]}
             if setting["fragments"] == 1:
-                setting["overlap_steps"] = setting["mixing"] = 0.0  # unused without fragments
+                setting["overlap_steps"] = 0  # unused without fragments
+            if not setting["overlap_steps"]:
+                setting["mixing"] = 0.0  # unused without overlap
             key = (row["task"], row["steps"], every, row["evaluate"], json.dumps(setting, sort_keys=True))
             groups[key][seed] = row
     tasks = sorted({k[0] for k in groups}, key=lambda t: (t != "pydoc-lm", t))
