@@ -8,15 +8,26 @@ only times do), validated every ``--val-every`` steps on the global (outer) mode
 appended to ``--out``: the setting, the final validation loss and accuracy (mean of the last two validations,
 as the convergence benchmark computes them), the mean bytes per step and the curve. ``torch-ddp`` as a
 setting runs torch's DDP, the reference.
+
+    python benchmarks/sweep_diloco.py --table benchmarks/results/convergence/diloco_sweep.md \
+        --out benchmarks/results/convergence/diloco_sweep.jsonl
+
+writes the table of every setting in ``--out`` against torch's DDP on the same seeds (paired: the same seed is
+the same initial model and data order for both): the final loss as the benchmark takes it (mean of the
+validations at steps N-20 and N), and for runs validated more often (``--val-every 5``) also the mean of every
+validation in the last 20 steps, the same window sampled more densely. Per setting: the ratio of the seed
+means less one with its standard error (delta method), and the mean of the per-seed differences with theirs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
+from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -53,6 +64,7 @@ def run_one(
         "evaluate": evaluate,
         "seed": seed,
         "steps": steps,
+        "val_every": val_every,
         "final_val_loss": sum(v["val_loss"] for v in val[-2:]) / len(val[-2:]),
         "final_val_acc": sum(v["metric"] for v in val[-2:]) / len(val[-2:]),
         "bytes_per_step": sum(sent) / len(sent),
@@ -63,19 +75,200 @@ def run_one(
     }
 
 
+# ------------------------------------------------------------------------------------------------ the table
+DEFAULTS = {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True, "fragments": 1, "overlap_steps": 0}
+
+
+def label(setting: dict) -> str:
+    """``H=70, lr=0.7, mom=0.3`` (bf16 unless fp32 is named; F/tau/mix for streaming)."""
+    s = {**DEFAULTS, "mixing": 0.0, "precision": "fp32", **setting}
+    parts = [f"H={s['period']}"]
+    if s["fragments"] > 1:
+        parts += [f"F={s['fragments']}", f"tau={s['overlap_steps']}"]
+        if s["overlap_steps"]:  # mixing applies to an overlapped exchange only
+            parts.append(f"mix={s['mixing']}")
+    parts += [f"lr={s['outer_lr']}", f"mom={s['outer_momentum']}"]
+    if not s["nesterov"]:
+        parts.append("nesterov=False")
+    if s["precision"] != "bf16":
+        parts.append(s["precision"])
+    return ", ".join(parts)
+
+
+def final_losses(row: dict) -> tuple[float | None, float | None]:
+    """(the benchmark's final loss: mean of the validations at steps N-20 and N; the mean of every validation
+    in [N-20, N]) from the run's curve."""
+    steps = row["steps"]
+    by_step = {step: loss for step, loss, _ in row["curve"]}
+    ends = [by_step[s] for s in (steps - 20, steps) if s in by_step]
+    if [step for step, _, _ in row["curve"][-2:]] == [steps - 20, steps]:
+        ends = [row["final_val_loss"]] * 2  # unrounded
+    window = [loss for step, loss, _ in row["curve"] if steps - 20 <= step <= steps]
+    return (sum(ends) / len(ends) if len(ends) == 2 else None), (
+        sum(window) / len(window) if window else None
+    )
+
+
+def _t95(n: int) -> float:
+    try:
+        from scipy.stats import t
+
+        return float(t.ppf(0.975, n - 1))
+    except ImportError:  # pragma: no cover - scipy comes with scikit-learn, which the tasks need
+        return 1.96
+
+
+def paired(ours: list[float], ddp: list[float]) -> dict:
+    """Ratio of the means less one, its standard error (delta method) and 95 % interval; the same for the mean
+    of the per-seed relative differences."""
+    n = len(ours)
+    mean_o, mean_d = sum(ours) / n, sum(ddp) / n
+    ratio = mean_o / mean_d
+    out = {"n": n, "ratio": ratio - 1, "ratio_se": None, "diff": None, "diff_se": None, "t95": None}
+    diffs = [o / d - 1 for o, d in zip(ours, ddp)]
+    out["diff"] = sum(diffs) / n
+    out["diffs"] = diffs
+    if n > 1:
+        resid = [o - ratio * d for o, d in zip(ours, ddp)]
+        out["ratio_se"] = math.sqrt(sum(r * r for r in resid) / (n - 1) / n) / mean_d
+        mean_diff = out["diff"]
+        out["diff_se"] = math.sqrt(sum((x - mean_diff) ** 2 for x in diffs) / (n - 1) / n)
+        out["t95"] = _t95(n)
+    return out
+
+
+def _pct(value: float, se: float | None = None, t95: float | None = None) -> str:
+    text = f"{100 * value:+.1f} %"
+    if se is not None:
+        text += f" ± {100 * se:.1f} ({100 * (value - t95 * se):+.1f} .. {100 * (value + t95 * se):+.1f})"
+    return text
+
+
+def _seeds(seeds: list[int]) -> str:
+    seeds = sorted(seeds)
+    if len(seeds) > 3 and seeds == list(range(seeds[0], seeds[-1] + 1)):
+        return f"{seeds[0]}-{seeds[-1]}"
+    return ",".join(map(str, seeds))
+
+
+def table(rows: list[dict]) -> str:
+    """The markdown table of every DiLoCo setting against torch's DDP on the same seeds."""
+    ddp: dict[tuple, dict] = {}  # (task, steps, seed, val_every) -> row; later rows win
+    groups: dict[tuple, dict[int, dict]] = defaultdict(dict)
+    for row in rows:
+        seed, every = row.get("seed", 0), row.get("val_every", 20)
+        if row["setting"] == "torch-ddp":
+            ddp[(row["task"], row["steps"], seed, every)] = row
+        else:
+            setting = {**DEFAULTS, "mixing": 0.0, "precision": "fp32", **row["setting"]}
+            if setting["fragments"] == 1:
+                setting["overlap_steps"] = 0  # unused without fragments
+            if not setting["overlap_steps"]:
+                setting["mixing"] = 0.0  # unused without overlap
+            key = (row["task"], row["steps"], every, row["evaluate"], json.dumps(setting, sort_keys=True))
+            groups[key][seed] = row
+    tasks = sorted({k[0] for k in groups}, key=lambda t: (t != "pydoc-lm", t))
+    order = {"global": 0, "local": 1, "mean": 2}
+
+    def sort_key(key: tuple) -> tuple:
+        setting = json.loads(key[4])
+        return (
+            tasks.index(key[0]),
+            key[1],
+            -key[2],
+            order[key[3]],
+            setting.get("fragments", 1) > 1,
+            label(setting),
+        )
+
+    lines = [
+        "| task | steps | val. every | validated | setting | seeds | val_loss (torch's DDP) | vs DDP: ratio of "
+        "means ± SE (95 % CI) | per-seed diff.: mean ± SE | window mean (torch's DDP) | window: ratio ± SE "
+        "(95 % CI) | x fewer |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key in sorted(groups, key=sort_key):
+        task, steps, every, evaluate, setting = key
+        runs = groups[key]
+        pairs = []
+        for seed, row in sorted(runs.items()):
+            ref = ddp.get((task, steps, seed, every)) or next(
+                (r for (t, s, sd, _), r in ddp.items() if (t, s, sd) == (task, steps, seed)), None
+            )
+            if ref is not None:
+                pairs.append((seed, row, ref))
+        if not pairs:
+            continue
+        ours = [final_losses(r) for _, r, _ in pairs]
+        refs = [final_losses(r) for _, _, r in pairs]
+        bench = paired([o[0] for o in ours], [d[0] for d in refs])
+        cells = [
+            task,
+            str(steps),
+            str(every),
+            evaluate,
+            label(json.loads(setting)),
+            _seeds([s for s, _, _ in pairs]),
+            f"{sum(o[0] for o in ours) / len(ours):.4f} ({sum(d[0] for d in refs) / len(refs):.4f})",
+            _pct(bench["ratio"], bench["ratio_se"], bench["t95"]),
+            _pct(bench["diff"])
+            + (f" ± {100 * bench['diff_se']:.1f}" if bench["diff_se"] is not None else ""),
+        ]
+        if every < 20:
+            window = paired([o[1] for o in ours], [d[1] for d in refs])
+            cells += [
+                f"{sum(o[1] for o in ours) / len(ours):.4f} ({sum(d[1] for d in refs) / len(refs):.4f})",
+                _pct(window["ratio"], window["ratio_se"], window["t95"]),
+            ]
+        else:
+            cells += ["", ""]
+        fewer = [r["bytes_vs_ddp"] for _, r, _ in pairs if r.get("bytes_vs_ddp")]
+        cells.append(f"{sum(fewer) / len(fewer):.0f}" if fewer else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+HEADER = """# DiLoCo settings sweep
+
+Over loopback, 2 processes, `steps` steps, validation every `val. every` steps. val_loss: the convergence
+benchmark's final loss, the mean of the validations at steps N-20 and N (N = `steps`), averaged over the
+seeds; torch's DDP on the same seeds in brackets (the same seed gives both the same initial model and data
+order). *vs DDP*: the DiLoCo mean over torch's DDP's mean, less one, with its standard error over the seeds
+(delta method) and a 95 % t interval; *per-seed diff.*: the mean of the per-seed relative differences.
+*window*: for runs validated every 5 steps, the mean of every validation in [N-20, N] (the same window,
+sampled 5 times instead of twice), for both alike. `validated`: global = the outer model (what the benchmark
+validates), local = each rank's replica (losses averaged), mean = the replicas' mean (diagnostic). Settings
+are bf16 unless `fp32` is named. Written by `benchmarks/sweep_diloco.py --table`; every run with its curve
+in `diloco_sweep.jsonl`.
+
+"""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--task", required=True)
+    parser.add_argument("--task")
     parser.add_argument("--steps", type=int, default=160)
     parser.add_argument("--val-every", type=int, default=20)
     parser.add_argument("--evaluate", default="global", choices=("global", "local", "mean"))
     parser.add_argument("--strategy", default="{}", help="extra DDPXStrategy arguments (JSON)")
-    parser.add_argument("--settings", nargs="+", required=True, help="DiLoCo options as JSON, or torch-ddp")
+    parser.add_argument("--settings", nargs="+", help="DiLoCo options as JSON, or torch-ddp")
     parser.add_argument("--seeds", default="0", help="comma-separated seeds, one run each")
     parser.add_argument("--out", default="runs/sweep_diloco.jsonl")
+    parser.add_argument(
+        "--table", metavar="MD", help="write the table of every run in --out to MD (and print it)"
+    )
     args = parser.parse_args()
+    if args.table:
+        with open(args.out) as f:
+            text = HEADER + table([json.loads(line) for line in f if line.strip()])
+        with open(args.table, "w") as f:
+            f.write(text)
+        print(text, end="")
+        return
+    if not args.settings or not args.task:
+        parser.error("--task and --settings are required (or --table)")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     for text in args.settings:
         for seed in [int(s) for s in args.seeds.split(",")]:
