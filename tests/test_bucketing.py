@@ -98,6 +98,15 @@ def test_initial_buckets_are_torchs_construction_time_buckets(seed, find_unused)
         assert len(ours) == len(set(dtypes))
 
 
+def test_initial_bucket_holds_every_parameter_of_its_dtype_whatever_the_element_size():
+    """No cap at all, as torch's sys.maxsize: 16-byte complex elements stay in one bucket too."""
+    c128 = torch.complex128
+    ours = plan_initial_buckets([10, 10, 10, 10], [c128, F32, c128, c128], [CPU] * 4, 16, 40, one_bucket=True)
+    assert [b.param_indices for b in ours] == [(1,), (0, 2, 3)]
+    ours = plan_initial_buckets([10, 10, 10], [c128] * 3, [CPU] * 3, 16, 40, one_bucket=True)
+    assert [b.param_indices for b in ours] == [(0, 1, 2)]
+
+
 def test_bucket_caps_follow_torchs_rule():
     """None: torch's 25 MiB after a 1 MiB first bucket; an explicit cap sizes the first bucket too (torch
     >= 2.3); first_bucket_cap_mb, ours, overrides the first."""

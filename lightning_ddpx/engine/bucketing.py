@@ -7,6 +7,7 @@ order after the first iteration), because a bucket can only be launched once all
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, replace
 from typing import Hashable, Sequence
 
@@ -147,8 +148,7 @@ def plan_initial_buckets(
     matters beyond speed: past two ranks the ring all-reduce's summation order depends on where each
     gradient sits in its buffer, so only torch's layout gives torch's sums bit for bit.
     """
-    unbounded = sum(numels) * 8 + 1  # above any bucket's bytes
-    first, cap = (unbounded, unbounded) if one_bucket else (first_cap_bytes, cap_bytes)
+    first, cap = (sys.maxsize, sys.maxsize) if one_bucket else (first_cap_bytes, cap_bytes)  # torch's limit
     specs = plan_buckets(numels, dtypes, devices, range(len(numels)), first, cap, sparse=sparse)
     return sorted(specs, key=lambda spec: spec.param_indices[0], reverse=True)
 
