@@ -122,6 +122,7 @@ def run_rank(rank: int, world_size: int, config: RunConfig) -> dict[str, Any]:
             print(f"  {config.model} round {r + 1:3d}/{rounds}  " + "  | ".join(parts) + "  ms", flush=True)
 
     gc.collect()
+    cpu_times: dict[str, list[float]] = {}
     times = interleaved_timing(
         steps,
         timed_steps=config.steps,
@@ -129,11 +130,13 @@ def run_rank(rank: int, world_size: int, config: RunConfig) -> dict[str, Any]:
         block=config.block,
         on_block=report_round,
         after_step={"ours": record_exposed_comm},
+        cpu_times=cpu_times,
     )
     tensors, numel = parameter_summary(modules["ours"])
     return {
         "rank": rank,
         "times_s": times,
+        "cpu_s": cpu_times,
         "ours_exposed_comm_s": exposed_comm_s,
         # Same init, same batches, same arithmetic: the copies must still agree, or the comparison is unfair.
         "param_max_abs_diff": max(max_param_diff(modules["torch"], modules[name]) for name in contenders[1:]),
@@ -142,6 +145,11 @@ def run_rank(rank: int, world_size: int, config: RunConfig) -> dict[str, Any]:
         "ours_buckets": len(wrapped["ours"].bucket_plan()),
         "ours_launcher": type(reducer.transport.launcher).__name__,
     }
+
+
+def _cpu_of_all_ranks(per_rank: list[dict[str, Any]], contender: str) -> list[float]:
+    """CPU seconds per timed step summed over the ranks: the work the whole job did for that step."""
+    return [sum(step) for step in zip(*(rank["cpu_s"][contender] for rank in per_rank))]
 
 
 def _contenders(config: RunConfig) -> tuple[str, ...]:
@@ -189,6 +197,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         per_rank = launch(run_rank, (config,), world_size=args.world_size, timeout_s=args.timeout)
         rank0 = per_rank[0]
         summary = summarize_pair(rank0["times_s"]["torch"], rank0["times_s"]["ours"])
+        cpu = summarize_pair(*(_cpu_of_all_ranks(per_rank, contender) for contender in CONTENDERS))
         target_ratio = TARGET_RATIOS.get(name)
         result = verdict(summary.ratio, target_ratio)
         diff = max(r["param_max_abs_diff"] for r in per_rank)
@@ -199,21 +208,28 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             f"ours: {rank0['ours_buckets']} buckets, {rank0['ours_launcher']}, median exposed comm "
             f"{exposed_median_ms:.1f} ms; torch {summary.baseline_ms:.1f} ms, "
             f"ours {summary.candidate_ms:.1f} ms, "
-            f"ratio {summary.ratio:.3f} [p25 {summary.ratio_p25:.3f}, p75 {summary.ratio_p75:.3f}]",
+            f"ratio {summary.ratio:.3f} [p25 {summary.ratio_p25:.3f}, p75 {summary.ratio_p75:.3f}; "
+            f"95 % {summary.ratio_ci_low:.3f}-{summary.ratio_ci_high:.3f}]; CPU of all ranks per step: torch "
+            f"{cpu.baseline_ms:.1f} ms, ours {cpu.candidate_ms:.1f} ms, ratio {cpu.ratio:.3f} "
+            f"[95 % {cpu.ratio_ci_low:.3f}-{cpu.ratio_ci_high:.3f}]",
             flush=True,
         )
         if config.before:
             before = summarize_pair(rank0["times_s"]["torch"], rank0["times_s"]["before"])
             after = summarize_pair(rank0["times_s"]["before"], rank0["times_s"]["ours"])
+            after_cpu = summarize_pair(*(_cpu_of_all_ranks(per_rank, c) for c in ("before", "ours")))
             print(
                 f"[{name}] before/torch {before.ratio:.3f} [p25 {before.ratio_p25:.3f}, p75 {before.ratio_p75:.3f}], "
-                f"ours/before {after.ratio:.3f} [p25 {after.ratio_p25:.3f}, p75 {after.ratio_p75:.3f}]",
+                f"ours/before {after.ratio:.3f} [p25 {after.ratio_p25:.3f}, p75 {after.ratio_p75:.3f}; 95 % "
+                f"{after.ratio_ci_low:.3f}-{after.ratio_ci_high:.3f}], CPU ours/before {after_cpu.ratio:.3f} "
+                f"[95 % {after_cpu.ratio_ci_low:.3f}-{after_cpu.ratio_ci_high:.3f}]",
                 flush=True,
             )
             results.setdefault("before", {})[name] = {
                 "before_ms": [1e3 * t for t in rank0["times_s"]["before"]],
                 "before_vs_torch": asdict(before),
                 "ours_vs_before": asdict(after),
+                "ours_vs_before_cpu": asdict(after_cpu),
             }
         for alternative in _alternatives(config):
             pair = summarize_pair(rank0["times_s"]["ours"], rank0["times_s"][alternative])
@@ -242,6 +258,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "ours_launcher": rank0["ours_launcher"],
             "param_max_abs_diff": diff,
             "summary": asdict(summary),
+            "torch_cpu_ms": [1e3 * t for t in _cpu_of_all_ranks(per_rank, "torch")],
+            "ours_cpu_ms": [1e3 * t for t in _cpu_of_all_ranks(per_rank, "ours")],
+            "cpu_summary": asdict(cpu),
             "target_ratio": target_ratio,
             "result": result,
         }
@@ -252,15 +271,17 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 f"{summary.baseline_ms:.1f}",
                 f"{summary.candidate_ms:.1f}",
                 f"{summary.ratio:.3f}",
+                f"{summary.ratio_ci_low:.3f}-{summary.ratio_ci_high:.3f}",
                 f"{summary.ratio_p25:.3f}-{summary.ratio_p75:.3f}",
-                f"{summary.ratio_of_medians:.3f}",
+                f"{cpu.ratio:.3f} ({cpu.ratio_ci_low:.3f}-{cpu.ratio_ci_high:.3f})",
                 target,
                 result,
             ]
         )
     print(
         f"\nSummary ({mode}; {args.steps} interleaved steps each; "
-        "ratio = median over same-round step pairs of ours/torch):"
+        "ratio = median over same-round step pairs of ours/torch, with its 95 % interval; CPU ratio: the "
+        "same for the CPU time all ranks spent per step):"
     )
     print(
         format_table(
@@ -269,8 +290,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 "torch ms (median)",
                 "ours ms (median)",
                 "ratio",
+                "ratio 95 %",
                 "ratio p25-p75",
-                "ratio of medians",
+                "CPU ratio (95 %)",
                 "target",
                 "result",
             ],

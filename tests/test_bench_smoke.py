@@ -22,7 +22,7 @@ from benchmarks.common import (
     summarize_pair,
     verdict,
 )
-from lightning_ddpx.bench.timing import rotated
+from lightning_ddpx.bench.timing import median_interval, rotated
 from tests.dist_utils import run_job
 
 
@@ -53,6 +53,27 @@ def test_summarize_pair_uses_same_round_ratios() -> None:
     assert summary.pairs == 4
     with pytest.raises(ValueError):
         summarize_pair([0.1], [0.1, 0.2])
+
+
+def test_median_interval_is_the_sign_test_interval_and_covers_the_median() -> None:
+    # n = 100: k = floor(50 - 1.96 * 10 / 2) = 40, so the 40th smallest and the 40th largest values.
+    assert median_interval([float(v) for v in range(1, 101)]) == (40.0, 61.0)
+    low, high = median_interval([1.0] * 5)
+    assert low != low and high != high  # nan: five values cannot carry a 95 % interval
+    summary = summarize_pair([1.0] * 50, [1.0 + 0.01 * k for k in range(50)])  # ratios 1.00 .. 1.49
+    assert summary.ratio_ci_low < summary.ratio < summary.ratio_ci_high
+    assert (summary.ratio_ci_low, summary.ratio_ci_high) == pytest.approx((1.17, 1.32))
+
+
+def test_interleaved_timing_also_records_cpu_time_per_step() -> None:
+    def spin() -> None:  # CPU work, so that CPU time is above zero
+        sum(range(20000))
+
+    cpu: dict[str, list[float]] = {}
+    wall = interleaved_timing({"a": spin, "b": spin}, timed_steps=4, warmup_steps=0, block=2, cpu_times=cpu)
+    assert [len(cpu["a"]), len(cpu["b"])] == [4, 4]
+    assert all(c > 0 for c in cpu["a"] + cpu["b"])
+    assert all(c <= w * 1.5 + 1e-3 for c, w in zip(cpu["a"], wall["a"]))  # one busy thread: CPU ~ wall
 
 
 def test_verdict() -> None:

@@ -13,7 +13,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PairSummary", "format_table", "interleaved_timing", "percentile", "rotated", "summarize_pair"]
+__all__ = [
+    "PairSummary",
+    "format_table",
+    "interleaved_timing",
+    "median_interval",
+    "percentile",
+    "rotated",
+    "summarize_pair",
+]
 
 
 def interleaved_timing(
@@ -23,6 +31,7 @@ def interleaved_timing(
     block: int,
     on_block: Callable[[int, int, dict[str, list[float]]], None] | None = None,
     after_step: Mapping[str, Callable[[], None]] | None = None,
+    cpu_times: dict[str, list[float]] | None = None,
 ) -> dict[str, list[float]]:
     """Time each contender's step ``timed_steps`` times, alternating contenders in blocks of ``block`` steps.
 
@@ -36,6 +45,11 @@ def interleaved_timing(
     Returns seconds per timed step, by contender; entry ``i`` of every list belongs to the same round, so
     ``a[i] / b[i]`` compares steps measured close together. ``on_block(round, rounds, times_of_round)`` is
     called after each round (for live progress), ``after_step[name]()`` after each timed step (diagnostics).
+
+    ``cpu_times``, when given, receives per contender the CPU seconds this process (all its threads:
+    autograd, communication, gloo's) spent in each timed step, aligned like the wall times. On a machine
+    with as many busy ranks as cores, wall time moves with whichever thread the scheduler ran; CPU time
+    counts the work each contender did and moves much less.
     """
     if timed_steps < 1 or block < 1 or warmup_steps < 0:
         raise ValueError(
@@ -48,21 +62,24 @@ def interleaved_timing(
             steps[name]()
     times: dict[str, list[float]] = {name: [] for name in names}
     rounds = math.ceil(timed_steps / block)
-    clock = time.perf_counter
+    clock, cpu_clock = time.perf_counter, time.process_time
     for r in range(rounds):
         count = min(block, timed_steps - r * block)
         this_round: dict[str, list[float]] = {}
         for name in rotated(names, r):
             step, hook = steps[name], (after_step or {}).get(name)
-            samples = []
+            samples, cpu_samples = [], []
             for _ in range(count):
-                started = clock()
+                cpu_started, started = cpu_clock(), clock()
                 step()
                 samples.append(clock() - started)
+                cpu_samples.append(cpu_clock() - cpu_started)
                 if hook is not None:
                     hook()
             this_round[name] = samples
             times[name].extend(samples)
+            if cpu_times is not None:
+                cpu_times.setdefault(name, []).extend(cpu_samples)
         if on_block is not None:
             on_block(r, rounds, {name: this_round[name] for name in names})
     return times
@@ -106,6 +123,8 @@ class PairSummary:
     ratio_p75: float
     ratio_of_medians: float
     pairs: int
+    ratio_ci_low: float = float("nan")  # 95 % interval of the median ratio (median_interval)
+    ratio_ci_high: float = float("nan")
 
 
 def summarize_pair(baseline_s: Sequence[float], candidate_s: Sequence[float]) -> PairSummary:
@@ -117,6 +136,7 @@ def summarize_pair(baseline_s: Sequence[float], candidate_s: Sequence[float]) ->
     ratios = [c / b for b, c in zip(baseline_s, candidate_s)]
     base = [1e3 * t for t in baseline_s]
     cand = [1e3 * t for t in candidate_s]
+    low, high = median_interval(ratios)
     return PairSummary(
         baseline_ms=percentile(base, 50),
         candidate_ms=percentile(cand, 50),
@@ -129,7 +149,22 @@ def summarize_pair(baseline_s: Sequence[float], candidate_s: Sequence[float]) ->
         ratio_p75=percentile(ratios, 75),
         ratio_of_medians=percentile(cand, 50) / percentile(base, 50),
         pairs=len(ratios),
+        ratio_ci_low=low,
+        ratio_ci_high=high,
     )
+
+
+def median_interval(values: Sequence[float], z: float = 1.96) -> tuple[float, float]:
+    """A distribution-free confidence interval for the median of ``values`` (about 95 % at ``z`` 1.96): the
+    k-th smallest and k-th largest values, k = n/2 - z*sqrt(n)/2 (the sign test's interval, from the normal
+    approximation to the binomial; no assumption on the shape of the step-time distribution, whose tail is
+    long). ``(nan, nan)`` for fewer than 6 values, too few for 95 %."""
+    n = len(values)
+    if n < 6:
+        return float("nan"), float("nan")
+    ordered = sorted(values)
+    k = max(1, math.floor(n / 2 - z * math.sqrt(n) / 2))  # 1-based
+    return ordered[k - 1], ordered[n - k]
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -10,9 +10,9 @@ left to hide behind, is planned small (the first bucket's cap). On the CPU, para
 are updated in cache-sized slices (:mod:`lightning_ddpx.engine.piecewise_step`): same values, faster where
 measured (docs/benchmarks.md); on CUDA, where it is not measured, they are updated whole.
 
-The overlap talks to the reducer through the interface :meth:`~lightning_ddpx.engine.reducer.Reducer._finalize`
-uses itself: wait for bucket ``b`` (``wait_bucket``), write it back (``write_back``), the used-parameter
-counts (``used_counts``).
+The overlap walks the same path as the reducer's own finalize (:mod:`lightning_ddpx.engine.results_in_order`:
+bucket results in launch order, the used-parameter counts, the seconds spent waiting) and writes each bucket
+back through the reducer (``write_back``).
 
 Why a *view* of the user's optimizer rather than a second optimizer (torch's private
 ``_register_fused_optim`` builds a functional copy with its own state):
@@ -53,6 +53,7 @@ from lightning_ddpx.engine.profiling import label
 
 if TYPE_CHECKING:
     from lightning_ddpx.engine.reducer import Reducer
+    from lightning_ddpx.engine.results_in_order import ResultsInOrder
 
 __all__ = ["OptimizerOverlap", "check_overlappable", "per_parameter_optimizers"]
 
@@ -176,7 +177,6 @@ class OptimizerOverlap:
         self.last_sliced_params = 0
         # seconds of write-back and update left after the last reduction arrived: what the overlap could not hide
         self.last_exposed_update_s = 0.0
-        self._last_arrival = 0.0
         self._plan_key: tuple[Any, ...] | None = None
         self._bucket_groups: list[list[tuple[int, list[torch.nn.Parameter]]]] = []
         self._guard = optimizer.register_step_pre_hook(self._refuse_second_step)
@@ -228,59 +228,48 @@ class OptimizerOverlap:
         return optimizer_view(self.optimizer)
 
     # --------------------------------------------------------------------------------- per bucket
-    def write_back_and_step(self, globally_used: torch.futures.Future | None) -> float:
-        """The end of a synchronised backward with overlap; returns the seconds spent waiting for results.
+    def write_back_and_step(self, results: ResultsInOrder) -> None:
+        """The end of a synchronised backward with overlap: each bucket's parameters step as it arrives.
 
-        ``globally_used``: the used-parameter bitmap's future when this iteration shares one (find_unused /
-        static graph's first iteration), else ``None``. torch's global optimizer step hooks fire once for the
-        whole step, not once per bucket or slice.
+        torch's global optimizer step hooks fire once for the whole step, not once per bucket or slice.
         """
         if not self._scaler_checked:
             refuse_grad_scaler(self.optimizer)  # before any update: the gradients may be scaled
             self._scaler_checked = True
         with global_optimizer_hooks_once(self.optimizer):
-            return self._write_back_and_step(globally_used)
+            self._write_back_and_step(results)
 
-    def _write_back_and_step(self, globally_used: torch.futures.Future | None) -> float:
+    def _write_back_and_step(self, results: ResultsInOrder) -> None:
         reducer = self.reducer
         plan, view, groups = self._groups_per_bucket(), self._view(), self.optimizer.param_groups
-        known_counts = reducer.used_counts(None)  # a static graph's record, else None (all used)
         used, index_of = reducer.locally_used, reducer.index_of  # per parameter index; parameter -> index
 
         def locally_used(param: torch.nn.Parameter) -> bool:
             return bool(used[index_of[id(param)]])
 
-        waited = stepping = 0.0
+        stepping = 0.0
         deferred: list[tuple[int, torch.Tensor]] = []
         self.last_sliced_params = 0
-        for b in range(len(reducer.buckets)):
-            started = time.perf_counter()
-            result = reducer.wait_bucket(b)
-            self._last_arrival = time.perf_counter()
-            waited += self._last_arrival - started
-            if globally_used is None or reducer.bucket_all_used(b):
-                reducer.write_back(b, result, known_counts)  # every parameter is known to be used somewhere
+        for b, result in results:
+            if not results.counts_pending or reducer.bucket_all_used(b):
+                reducer.write_back(b, result, results.known_counts)  # every parameter is used somewhere
                 members = plan[b]
             else:  # only this rank's used parameters are known to be used somewhere
                 reducer.write_back(b, result, used)
                 members = _subset(plan[b], locally_used)
                 deferred.append((b, result))
             stepping += self._step(view, groups, members)
-        if globally_used is not None:
-            started = time.perf_counter()
-            counts = reducer.used_counts(globally_used)
-            self._last_arrival = time.perf_counter()
-            waited += self._last_arrival - started
+        if results.counts_pending:
+            counts = results.counts()
             assert counts is not None
             rest = [0 if used[i] else count for i, count in enumerate(counts)]
             for b, result in deferred:
                 reducer.write_back(b, result, rest)
                 stepping += self._step(view, groups, _subset(plan[b], lambda p: not locally_used(p)))
         self.last_optimizer_s = stepping
-        self.last_exposed_update_s = time.perf_counter() - self._last_arrival
+        self.last_exposed_update_s = time.perf_counter() - results.last_arrival
         if hasattr(self.optimizer.step, "_wrapped_by_lr_sched"):
             self.optimizer._opt_called = True  # type: ignore[attr-defined]  # an LR scheduler's "step ran" mark
-        return waited
 
     def _step(
         self, view: torch.optim.Optimizer, groups: list[dict[str, Any]], members: list[tuple[int, list[Any]]]

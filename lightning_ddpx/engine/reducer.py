@@ -41,6 +41,7 @@ from lightning_ddpx.engine.errors import waiting_for
 from lightning_ddpx.engine.grad_bucket import GradBucket, payload_bytes
 from lightning_ddpx.engine.graph import reachable_parameter_indices
 from lightning_ddpx.engine.profiling import label
+from lightning_ddpx.engine.results_in_order import ResultsInOrder
 from lightning_ddpx.engine.sparse import sparse_refusal
 from lightning_ddpx.engine.static_graph import StaticGraph
 from lightning_ddpx.engine.transport import (
@@ -400,12 +401,13 @@ class Reducer:
         succeeded = False
         with label("lightning_ddpx::finalize"):
             try:
-                globally_used = self._launch_remaining()
+                results = ResultsInOrder(self, self._launch_remaining())
                 if self.overlap is not None:  # each bucket's parameters step as soon as it is written
-                    self.last_exposed_comm_s = self.overlap.write_back_and_step(globally_used)
+                    self.overlap.write_back_and_step(results)
                 else:
-                    self.last_exposed_comm_s = self._write_back_in_order(globally_used)
-                self.stats.finish(self.iterations_synced + 1, len(self.buckets), self.last_exposed_comm_s)
+                    self._write_back_in_order(results)
+                self.last_exposed_comm_s = results.waited
+                self.stats.finish(self.iterations_synced + 1, len(self.buckets), results.waited)
                 succeeded = True
             except Exception as error:
                 if self.usage_log is not None:
@@ -414,25 +416,14 @@ class Reducer:
             finally:
                 self._end_iteration(succeeded)
 
-    def _write_back_in_order(self, globally_used: torch.futures.Future | None) -> float:
-        """Wait for each bucket in launch order and write it back at once, as torch's finalize does, so that
-        the copies of the first buckets overlap the later buckets' communication. A bucket holding a parameter
-        this rank did not use needs the used-parameter bitmap (issued after the last bucket) first. Returns
-        the seconds spent waiting."""
-        counts = self.used_counts(None) if globally_used is None else None  # a static graph's record
-        bitmap, waited = globally_used, 0.0
-        for b in range(len(self.buckets)):
-            started = time.perf_counter()
-            result = self.wait_bucket(b)
-            if bitmap is not None and not self.bucket_all_used(b):
-                counts, bitmap = self.used_counts(bitmap), None
-            waited += time.perf_counter() - started
+    def _write_back_in_order(self, results: ResultsInOrder) -> None:
+        """Write each bucket back as soon as it arrives, as torch's finalize does, so that the copies of the
+        first buckets overlap the later buckets' communication. A bucket holding a parameter this rank did
+        not use needs the used-parameter counts (the bitmap, issued after the last bucket) first."""
+        for b, result in results:
+            counts = results.known_counts if self.bucket_all_used(b) else results.counts()
             self.write_back(b, result, counts)  # a bucket whose parameters all arrived reads no counts
-        if bitmap is not None:  # every bucket all used here: the bitmap is still checked (and recorded)
-            started = time.perf_counter()
-            self.used_counts(bitmap)
-            waited += time.perf_counter() - started
-        return waited
+        results.counts()  # every bucket all used here: the bitmap is still checked (and recorded)
 
     def _launch_remaining(self) -> torch.futures.Future | None:
         """Mark what backward did not reach, so every bucket is launched; returns the used-parameter bitmap's
@@ -470,7 +461,7 @@ class Reducer:
         )
         return self.transport.launcher.submit(issue)
 
-    # The interface the optimizer overlap steps through (engine.optimizer_overlap), shared with _finalize.
+    # The interface of the end of backward (engine.results_in_order), the optimizer overlap's included.
     def wait_bucket(self, b: int) -> Any:
         """Bucket ``b``'s reduced result (launched earlier in this backward), checked; on CUDA the current
         stream is ordered after it, without a host synchronisation."""
@@ -486,11 +477,13 @@ class Reducer:
         wait_streams(current_stream(bucket.buffer.device), [self._launch_streams[b]])
         return value
 
-    def used_counts(self, globally_used: torch.futures.Future | None) -> list[int] | None:
-        """Per parameter, how many ranks used it: from the bitmap's future when this iteration shared one
-        (recorded by a static graph), else what a static graph recorded, else ``None`` (all used)."""
-        if globally_used is None:
-            return self.static.globally_used if self.static is not None else None
+    def recorded_counts(self) -> list[int] | None:
+        """Per parameter, how many ranks use it, as a static graph recorded it; ``None``: not recorded."""
+        return self.static.globally_used if self.static is not None else None
+
+    def shared_counts(self, globally_used: torch.futures.Future) -> list[int]:
+        """Per parameter, how many ranks used it: the used-parameter bitmap's result (recorded by a static
+        graph)."""
         with waiting_for("the used-parameter bitmap (find_unused_parameters)", self.process_group):
             counts = globally_used.wait()[0].tolist()
         if self.static is not None:
