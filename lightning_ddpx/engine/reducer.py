@@ -21,7 +21,6 @@ joined rank's shadow reductions (:mod:`~lightning_ddpx.engine.join`) and static 
 from __future__ import annotations
 
 import enum
-import time
 from typing import Any, Callable, Sequence
 
 import torch
