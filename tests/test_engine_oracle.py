@@ -107,6 +107,30 @@ class Reordered(nn.Module):
         return self.b(torch.relu(self.a(torch.relu(self.c(x)))))
 
 
+class UserGradHooks(nn.Module):
+    """Each parameter carries a post-accumulate-grad hook of the user's that rescales its gradient in place
+    (as a per-parameter clip would), registered on the parameters the wrapper holds, after wrapping."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def _halve_gradient(param: torch.Tensor) -> None:
+    assert param.grad is not None
+    param.grad.mul_(0.5)
+
+
+def user_hooked_loss(model: nn.Module, step: int) -> torch.Tensor:
+    if step == 0:  # first call on each wrapper: hook its parameters
+        for param in model.module.parameters():
+            param.register_post_accumulate_grad_hook(_halve_gradient)
+    return mlp_loss(model, step)
+
+
 # ------------------------------------------------------------------------------------------ workers
 SCENARIOS = {
     "mlp": (mlp, mlp_loss, SMALL_BUCKETS, {}),
@@ -123,6 +147,12 @@ SCENARIOS = {
     "frozen": (Frozen, mlp_loss, SMALL_BUCKETS, {}),
     "tied": (Tied, mlp_loss, SMALL_BUCKETS, {}),
     "reordered": (Reordered, mlp_loss, SMALL_BUCKETS, {}),
+    # torch's reducer reads each gradient after the parameter's own post-accumulate-grad hooks ran
+    "user_grad_hooks": (UserGradHooks, user_hooked_loss, SMALL_BUCKETS, {}),
+    "user_grad_hooks_as_view": (
+        UserGradHooks, user_hooked_loss,
+        {**SMALL_BUCKETS, "gradient_as_bucket_view": True}, {"gradient_as_bucket_view": True},
+    ),
 }  # fmt: skip
 
 
@@ -139,7 +169,7 @@ def test_matches_torch_ddp_two_ranks(name: str) -> None:
         torch.testing.assert_close(value, results[1]["params"][param_name], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", ["mlp", "branches", "conv_bn", "wide"])
+@pytest.mark.parametrize("name", ["mlp", "branches", "conv_bn", "wide", "user_grad_hooks"])
 def test_matches_torch_ddp_three_ranks(name: str) -> None:
     run_distributed(run_scenario, 3, name)
 

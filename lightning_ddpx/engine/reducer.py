@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from lightning_ddpx._compat.torch import queue_backward_callback
 from lightning_ddpx.engine import reducer_messages as messages
+from lightning_ddpx.engine.accumulator_hooks import AccumulatorHooks, PostHook
 from lightning_ddpx.engine.backward_start import attach_backward_start
 from lightning_ddpx.engine.bucket_plan import BucketPlanner
 from lightning_ddpx.engine.bucket_results import wait_result
@@ -134,9 +135,7 @@ class Reducer:
             self.find_unused_parameters, self.static_graph,
         )  # fmt: skip
         self._install_plan(None)
-        self._handles = [
-            p.register_post_accumulate_grad_hook(self._make_grad_hook(i)) for i, p in enumerate(self.params)
-        ]
+        self._grad_hooks = AccumulatorHooks(self.params, self._make_grad_hook)
 
     def _default_transport(self) -> Transport:
         transport, self.shared_memory_refusal, self._obstacles = choose_default(
@@ -264,10 +263,10 @@ class Reducer:
             self.phase = Phase.IDLE
 
     # ------------------------------------------------------------------------------------- backward
-    def _make_grad_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+    def _make_grad_hook(self, index: int) -> PostHook:
         reducing = Phase.REDUCING
 
-        def on_grad_accumulated(_param: torch.Tensor) -> None:
+        def on_grad_accumulated(_outputs: Any, _inputs: Any) -> None:
             # Runs once per parameter per backward, so it does the minimum: a few list and bytearray stores
             # and one counter decrement; everything per bucket (the batched copy, views, the hook) waits for
             # _launch (copying each gradient here instead, as torch does, measured no faster: docs/benchmarks.md).
@@ -530,9 +529,7 @@ class Reducer:
 
     def close(self) -> None:
         """Remove the gradient hooks and stop the communication thread; the reducer is unusable after."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        self._grad_hooks.remove()
         self.transport.close()
         self.progress.close()
 
@@ -549,8 +546,7 @@ class Reducer:
         hook, its state and the overlap stay."""
         if self.phase is not Phase.IDLE:
             raise RuntimeError("lightning_ddpx: the reduced parameters can only change between iterations")
-        for handle in self._handles:
-            handle.remove()
+        self._grad_hooks.remove()
         # "used since the last synchronisation" (no_sync gradients) follows each parameter to its new index
         used_before = {id(p) for p, used in zip(self.params, self.locally_used) if used}
         self._set_params(params, names, sparse_gradients, bytearray(id(p) in used_before for p in params))

@@ -1,0 +1,49 @@
+"""When a parameter's gradient is final for this backward: a hook on its gradient accumulator, as torch's.
+
+torch's reducer marks a gradient ready from a post-hook on the parameter's ``AccumulateGrad`` node, not from
+a hook on the tensor. The autograd engine runs a node's post-hooks after the hooks registered on the tensor
+with ``register_post_accumulate_grad_hook``, so whatever such a hook of the user's does to the gradient (clip
+or rescale it in place, registered before or after wrapping) is in the gradient the reducer reads and
+averages. A tensor hook of ours would run before the user's hooks registered later and read the gradient
+before they change it: the average would silently differ from torch's DDP's. The reducer therefore hooks the
+accumulators, and holds them, because a parameter holds its accumulator only weakly: one nobody holds is
+made anew at every backward, without the hook.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+__all__ = ["AccumulatorHooks", "PostHook", "gradient_accumulator"]
+
+
+def gradient_accumulator(param: torch.Tensor) -> torch.autograd.graph.Node:
+    """The ``AccumulateGrad`` node that writes ``param.grad`` (the one every backward uses while it is held)."""
+    with torch.enable_grad():  # a view's grad_fn links to the accumulator only with grad mode on
+        node = param.view_as(param).grad_fn
+    if node is None or not node.next_functions or node.next_functions[0][0] is None:
+        raise ValueError(
+            "lightning_ddpx: a gradient accumulator exists only for a leaf with requires_grad=True"
+        )
+    return node.next_functions[0][0]
+
+
+# A node post-hook: called with the node's outputs and inputs (for an accumulator: none, and the gradient).
+PostHook = Callable[[Any, Any], None]
+
+
+class AccumulatorHooks:
+    """``make_hook(i)`` runs after each backward's accumulation into ``params[i].grad`` (and after the
+    parameter's own post-accumulate-grad hooks); :meth:`remove` takes the hooks off and lets go of the
+    accumulators."""
+
+    def __init__(self, params: Sequence[torch.Tensor], make_hook: Callable[[int], PostHook]) -> None:
+        self._accumulators = [gradient_accumulator(p) for p in params]
+        self._handles = [node.register_hook(make_hook(i)) for i, node in enumerate(self._accumulators)]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._accumulators = [], []
