@@ -137,3 +137,24 @@ def test_layout_knows_each_parameter_s_bucket_and_position() -> None:
         bucket = layout.buckets[layout.bucket_of[index]]
         assert bucket.params[layout.position_of[index]] is params[index]
     assert [info.parameter_names for info in layout.infos()] == [b.names for b in layout.buckets]
+
+
+@pytest.mark.parametrize("scale", [None, 0.5])
+def test_a_grad_set_to_none_after_accumulation_contributes_zero_and_gets_the_average(
+    scale: float | None,
+) -> None:
+    """A hook of the user's may set ``grad`` to ``None`` after the gradient was marked ready (an optimizer
+    stepping in backward does): torch's reducer contributes zero for it and gives it a copy of the result."""
+    params = params_with_grads(missing=(2,))
+    bucket = one_bucket(params)
+    bucket.fill(scale, all_used=True)  # all_used: every gradient was marked ready in this backward
+    torch.testing.assert_close(bucket.buffer, expected_flat(params, bucket, scale), rtol=0, atol=0)
+    result = torch.arange(bucket.buffer.numel(), dtype=bucket.buffer.dtype)
+    bucket.write_back(result, None, all_used=True, as_view=False)
+    for param, view in zip(bucket.params, param_views_of(bucket, result)):
+        torch.testing.assert_close(param.grad, view, rtol=0, atol=0)
+    assert params[2].grad is not None and params[2].grad.data_ptr() != bucket.buffer.data_ptr()
+
+
+def param_views_of(bucket: Bucket, flat: torch.Tensor) -> list[torch.Tensor]:
+    return [flat[o : o + p.numel()].view_as(p) for o, p in zip(bucket.spec.offsets, bucket.params)]

@@ -131,6 +131,19 @@ def user_hooked_loss(model: nn.Module, step: int) -> torch.Tensor:
     return mlp_loss(model, step)
 
 
+def _drop_gradient(param: torch.Tensor) -> None:
+    param.grad = None
+
+
+def dropping_loss(model: nn.Module, step: int) -> torch.Tensor:
+    """Rank 0's hooks drop the first layer's gradients after accumulation (as an optimizer stepping in a
+    hook does): torch's reducer averages zeros for them and gives them a copy of the average."""
+    if step == 0 and dist.get_rank() == 0:
+        for param in model.module.net[0].parameters():
+            param.register_post_accumulate_grad_hook(_drop_gradient)
+    return mlp_loss(model, step)
+
+
 # ------------------------------------------------------------------------------------------ workers
 SCENARIOS = {
     "mlp": (mlp, mlp_loss, SMALL_BUCKETS, {}),
@@ -152,6 +165,11 @@ SCENARIOS = {
     "user_grad_hooks_as_view": (
         UserGradHooks, user_hooked_loss,
         {**SMALL_BUCKETS, "gradient_as_bucket_view": True}, {"gradient_as_bucket_view": True},
+    ),
+    "user_drops_grads": (UserGradHooks, dropping_loss, {}, {}),
+    "user_drops_grads_small_buckets": (UserGradHooks, dropping_loss, SMALL_BUCKETS, {}),
+    "user_drops_grads_as_view": (
+        UserGradHooks, dropping_loss, {"gradient_as_bucket_view": True}, {"gradient_as_bucket_view": True},
     ),
 }  # fmt: skip
 

@@ -62,14 +62,15 @@ class Bucket:
     ) -> None:
         """Fill the buffer (or ``target``: a flat buffer laid out like it, and its views) from ``param.grad``
         (zero for parameters holding none), times ``scale`` if given. ``all_used``: every parameter of the
-        bucket produced a gradient in this backward (one batched copy then)."""
+        bucket produced a gradient in this backward (one batched copy then, unless a hook of the user's set
+        a ``grad`` to ``None`` after it was accumulated: that parameter contributes zero, as in torch)."""
         buffer, views = target if target is not None else (self.buffer, self.views)
         try:
             if all_used and not (scale is not None and self.fused_scale):
-                foreach_copy_(views, [p.grad for p in self.params])
-                if scale is not None:
-                    buffer.mul_(scale)
-                return
+                if _copied_all(views, [p.grad for p in self.params]):
+                    if scale is not None:
+                        buffer.mul_(scale)
+                    return
             for param, view in zip(self.params, views):
                 if param.grad is None:
                     view.zero_()
@@ -98,7 +99,9 @@ class Bucket:
         if len(stale) < len(grads):
             params, views, grads = ([items[k] for k in stale] for items in (params, views, grads))
         try:
-            foreach_copy_(views, grads)
+            if not _copied_all(views, grads):  # a grad set to None by a hook of the user's contributes zero
+                for view, grad in zip(views, grads):
+                    view.zero_() if grad is None else view.copy_(grad)
         except RuntimeError:
             self.refuse_unexpected_sparse()
             raise
@@ -166,11 +169,12 @@ class Bucket:
         if result is not self.buffer:
             self.buffer.copy_(result)
         if all_used:
-            # Every gradient of the bucket arrived on this rank, so each is used and defined, and with bucket
-            # views each ``grad`` was made its view at launch: one batched copy, or nothing.
-            if not as_view:
-                foreach_copy_([param.grad for param in self.params], self.views)
-            return
+            # Every gradient of the bucket arrived on this rank, so each is used, and with bucket views each
+            # ``grad`` was made its view at launch: one batched copy, or nothing (unless a hook of the user's
+            # set a ``grad`` to ``None``: it gets a copy of the average, as in torch).
+            if as_view or _copied_all([param.grad for param in self.params], self.views):
+                return
+            used_counts = None
         grads, views = [], []
         for index, param, view in zip(self.spec.param_indices, self.params, self.views):
             if used_counts is not None and used_counts[index] == 0:
@@ -184,6 +188,18 @@ class Bucket:
                 views.append(view)
         if grads:
             foreach_copy_(grads, views)
+
+
+def _copied_all(targets: list[torch.Tensor | None], sources: list[torch.Tensor | None]) -> bool:
+    """One batched copy of ``sources`` into ``targets``; ``False``, having copied nothing, if a gradient
+    among them is ``None`` (the batched copy checks every argument before copying any)."""
+    try:
+        foreach_copy_(targets, sources)
+    except TypeError:
+        if any(tensor is None for tensor in (*targets, *sources)):
+            return False
+        raise
+    return True
 
 
 class BucketLayout:
