@@ -30,6 +30,14 @@ DEFAULT_BUCKET_CAP_MB = 25.0
 DEFAULT_FIRST_BUCKET_CAP_MB = 1.0  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES
 
 
+def is_bucket_cap(value: object) -> bool:
+    """Whether ``value`` is a valid ``bucket_cap_mb`` / ``first_bucket_cap_mb``: a positive number of MiB
+    (not a bool), or ``None`` for torch's default. One rule for the module and the strategies' options."""
+    if value is None:
+        return True
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
 def resolve_bucket_caps(
     bucket_cap_mb: float | None, first_bucket_cap_mb: float | None
 ) -> tuple[float, float]:

@@ -20,7 +20,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from lightning_ddpx._compat.torch import default_group, inputs_to_device
 from lightning_ddpx.engine.backend_support import check_bf16_hook
-from lightning_ddpx.engine.bucketing import BucketInfo, megabytes_to_bytes, resolve_bucket_caps
+from lightning_ddpx.engine.bucketing import BucketInfo, is_bucket_cap, megabytes_to_bytes, resolve_bucket_caps
 from lightning_ddpx.engine.comm_stats import CommStatsSummary, StepCommStats
 from lightning_ddpx.engine.consistency import (
     broadcast_from_rank0,
@@ -766,9 +766,7 @@ def _validate_arguments(module: Any, bucket_cap_mb: float | None, first_bucket_c
             f"lightning_ddpx.DistributedDataParallel wraps an nn.Module, got {type(module).__name__}"
         )
     for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
-        if value is None:
-            continue
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        if not is_bucket_cap(value):
             raise ValueError(
                 f"lightning_ddpx.DistributedDataParallel: {name} must be a positive number of MiB, got {value!r} "
                 "or None (torch's default: 25 MiB buckets after a 1 MiB first one)."

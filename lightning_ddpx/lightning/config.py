@@ -20,6 +20,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
+from lightning_ddpx.engine.bucketing import is_bucket_cap
 from lightning_ddpx.engine.module import DistributedDataParallel
 from lightning_ddpx.hooks import (
     DiLoCoOptions,
@@ -73,9 +74,7 @@ def _option(
 
 def _positive_megabytes(name: str) -> Callable[[Any], None]:
     def check(value: Any) -> None:
-        if value is None:
-            return
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        if not is_bucket_cap(value):
             raise ValueError(
                 f"DDPXStrategy: {name} must be a positive number of MiB or None (torch's default), got {value!r}."
             )
