@@ -123,6 +123,7 @@ def run_rank(rank: int, world_size: int, config: RunConfig) -> dict[str, Any]:
 
     gc.collect()
     cpu_times: dict[str, list[float]] = {}
+    page_faults: dict[str, list[int]] = {}
     times = interleaved_timing(
         steps,
         timed_steps=config.steps,
@@ -131,12 +132,14 @@ def run_rank(rank: int, world_size: int, config: RunConfig) -> dict[str, Any]:
         on_block=report_round,
         after_step={"ours": record_exposed_comm},
         cpu_times=cpu_times,
+        page_faults=page_faults,
     )
     tensors, numel = parameter_summary(modules["ours"])
     return {
         "rank": rank,
         "times_s": times,
         "cpu_s": cpu_times,
+        "page_faults": page_faults,
         "ours_exposed_comm_s": exposed_comm_s,
         # Same init, same batches, same arithmetic: the copies must still agree, or the comparison is unfair.
         "param_max_abs_diff": max(max_param_diff(modules["torch"], modules[name]) for name in contenders[1:]),
@@ -150,6 +153,12 @@ def run_rank(rank: int, world_size: int, config: RunConfig) -> dict[str, Any]:
 def _cpu_of_all_ranks(per_rank: list[dict[str, Any]], contender: str) -> list[float]:
     """CPU seconds per timed step summed over the ranks: the work the whole job did for that step."""
     return [sum(step) for step in zip(*(rank["cpu_s"][contender] for rank in per_rank))]
+
+
+def _mean_faults(per_rank: list[dict[str, Any]], contender: str) -> float:
+    """Minor page faults per timed step, summed over the ranks, averaged over the steps."""
+    per_step = [sum(step) for step in zip(*(rank["page_faults"][contender] for rank in per_rank))]
+    return sum(per_step) / max(len(per_step), 1)
 
 
 def _contenders(config: RunConfig) -> tuple[str, ...]:
@@ -211,7 +220,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             f"ratio {summary.ratio:.3f} [p25 {summary.ratio_p25:.3f}, p75 {summary.ratio_p75:.3f}; "
             f"95 % {summary.ratio_ci_low:.3f}-{summary.ratio_ci_high:.3f}]; CPU of all ranks per step: torch "
             f"{cpu.baseline_ms:.1f} ms, ours {cpu.candidate_ms:.1f} ms, ratio {cpu.ratio:.3f} "
-            f"[95 % {cpu.ratio_ci_low:.3f}-{cpu.ratio_ci_high:.3f}]",
+            f"[95 % {cpu.ratio_ci_low:.3f}-{cpu.ratio_ci_high:.3f}]; minor page faults per step (all ranks, "
+            f"mean): " + ", ".join(f"{c} {_mean_faults(per_rank, c):.0f}" for c in _contenders(config)),
             flush=True,
         )
         if config.before:
@@ -261,6 +271,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "torch_cpu_ms": [1e3 * t for t in _cpu_of_all_ranks(per_rank, "torch")],
             "ours_cpu_ms": [1e3 * t for t in _cpu_of_all_ranks(per_rank, "ours")],
             "cpu_summary": asdict(cpu),
+            "page_faults_per_step": {c: _mean_faults(per_rank, c) for c in _contenders(config)},
             "target_ratio": target_ratio,
             "result": result,
         }

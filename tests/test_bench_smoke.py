@@ -7,6 +7,7 @@ a typo in a code path only they use would go unnoticed until the day someone nee
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -70,9 +71,20 @@ def test_interleaved_timing_also_records_cpu_time_per_step() -> None:
         sum(range(20000))
 
     cpu: dict[str, list[float]] = {}
-    wall = interleaved_timing({"a": spin, "b": spin}, timed_steps=4, warmup_steps=0, block=2, cpu_times=cpu)
-    assert [len(cpu["a"]), len(cpu["b"])] == [4, 4]
-    assert all(c > 0 for c in cpu["a"] + cpu["b"])
+    faults: dict[str, list[int]] = {}
+
+    def touch_fresh_memory() -> None:  # 4 MiB from the system, every page written: a fault per page
+        pages = mmap.mmap(-1, 4 << 20)
+        pages.write(b"x" * (4 << 20))
+        pages.close()
+
+    steps = {"a": spin, "b": touch_fresh_memory}
+    wall = interleaved_timing(
+        steps, timed_steps=4, warmup_steps=0, block=2, cpu_times=cpu, page_faults=faults
+    )
+    assert [len(cpu["a"]), len(cpu["b"])] == [4, 4] and [len(faults["a"]), len(faults["b"])] == [4, 4]
+    assert min(faults["b"]) >= 1 and sum(faults["b"]) > sum(faults["a"])  # 4 KiB pages: 1024 a step
+    assert all(c > 0 for c in cpu["a"])
     assert all(c <= w * 1.5 + 1e-3 for c, w in zip(cpu["a"], wall["a"]))  # one busy thread: CPU ~ wall
 
 

@@ -32,6 +32,7 @@ def interleaved_timing(
     on_block: Callable[[int, int, dict[str, list[float]]], None] | None = None,
     after_step: Mapping[str, Callable[[], None]] | None = None,
     cpu_times: dict[str, list[float]] | None = None,
+    page_faults: dict[str, list[int]] | None = None,
 ) -> dict[str, list[float]]:
     """Time each contender's step ``timed_steps`` times, alternating contenders in blocks of ``block`` steps.
 
@@ -49,7 +50,9 @@ def interleaved_timing(
     ``cpu_times``, when given, receives per contender the CPU seconds this process (all its threads:
     autograd, communication, gloo's) spent in each timed step, aligned like the wall times. On a machine
     with as many busy ranks as cores, wall time moves with whichever thread the scheduler ran; CPU time
-    counts the work each contender did and moves much less.
+    counts the work each contender did and moves much less. ``page_faults``, when given, receives the minor
+    page faults of this process in each timed step: memory the allocator took from the system afresh, whose
+    first touch costs CPU time (see docs/benchmarks.md, "The allocator's lottery").
     """
     if timed_steps < 1 or block < 1 or warmup_steps < 0:
         raise ValueError(
@@ -68,21 +71,35 @@ def interleaved_timing(
         this_round: dict[str, list[float]] = {}
         for name in rotated(names, r):
             step, hook = steps[name], (after_step or {}).get(name)
-            samples, cpu_samples = [], []
+            samples, cpu_samples, fault_samples = [], [], []
             for _ in range(count):
+                faults_before = _minor_faults() if page_faults is not None else 0
                 cpu_started, started = cpu_clock(), clock()
                 step()
                 samples.append(clock() - started)
                 cpu_samples.append(cpu_clock() - cpu_started)
+                if page_faults is not None:
+                    fault_samples.append(_minor_faults() - faults_before)
                 if hook is not None:
                     hook()
             this_round[name] = samples
             times[name].extend(samples)
             if cpu_times is not None:
                 cpu_times.setdefault(name, []).extend(cpu_samples)
+            if page_faults is not None:
+                page_faults.setdefault(name, []).extend(fault_samples)
         if on_block is not None:
             on_block(r, rounds, {name: this_round[name] for name in names})
     return times
+
+
+def _minor_faults() -> int:
+    """Minor page faults of this process so far (0 where the platform does not count them)."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def rotated(names: Sequence[str], round_index: int) -> list[str]:
