@@ -50,6 +50,10 @@ from benchmarks.common import (  # noqa: E402
 )
 
 DEFAULT_MODELS = ("mlp", "transformer", "many")
+# glibc's malloc never gives the heap's top back (trim) and takes blocks up to 32 MiB from the heap (mmap):
+# memory freed by one step is reused by the next instead of being returned and faulted in again, which
+# happens to one contender more than the other depending on where the heap's blocks fall.
+STEADY_ALLOCATOR = "glibc.malloc.trim_threshold=1073741824:glibc.malloc.mmap_threshold=33554432"
 CONTENDERS = ("torch", "ours")  # baseline first: ratios are ours / torch
 
 
@@ -366,6 +370,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="a contender: ours summing over gloo (MeanAllReduce injected) where it would use shared memory",
     )
+    parser.add_argument(
+        "--steady-allocator",
+        action="store_true",
+        help=f"start the ranks with GLIBC_TUNABLES={STEADY_ALLOCATOR} (docs/benchmarks.md: the allocator's lottery)",
+    )
     parser.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per model's job")
@@ -380,7 +389,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Entry point: parse ``argv`` (default: the command line) and run the benchmark; returns the results."""
-    return run_benchmark(parse_args(argv))
+    args = parse_args(argv)
+    if args.steady_allocator:  # read by glibc when each rank's process starts (the ranks are spawned)
+        os.environ["GLIBC_TUNABLES"] = STEADY_ALLOCATOR
+    return run_benchmark(args)
 
 
 if __name__ == "__main__":

@@ -179,6 +179,7 @@ def environment_info() -> dict[str, Any]:
         "loadavg": load,
         "git_commit": commit or None,
         "time": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),  # malloc settings change CPU-side step times
     }
 
 
