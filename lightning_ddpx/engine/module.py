@@ -31,6 +31,7 @@ from lightning_ddpx.engine.errors import waiting_for
 from lightning_ddpx.engine.exit_threads import register_exit_handler
 from lightning_ddpx.engine.hook_signature import check_comm_hook
 from lightning_ddpx.engine.join import DDPXJoinHook, announce, broadcast_from
+from lightning_ddpx.engine.optim_in_backward import registrations, sum_then_average_hook, take_over
 from lightning_ddpx.engine.optimizer_overlap import OptimizerOverlap
 from lightning_ddpx.engine.placement import DeviceLike, resolve_placement, side_stream_copies
 from lightning_ddpx.engine.profiling import label
@@ -39,6 +40,7 @@ from lightning_ddpx.engine.replica_check import ReplicaReport, named_state, veri
 from lightning_ddpx.engine.shared_memory import local_obstacles
 from lightning_ddpx.engine.sparse import expects_sparse_gradients
 from lightning_ddpx.engine.trainable_set import TrainableSet
+from lightning_ddpx.engine.transport import Transport
 from lightning_ddpx.engine.unsupported_options import refuse_unsupported_arguments
 from lightning_ddpx.engine.usage_log import UsageLog, errors_logged, logging_data
 
@@ -210,6 +212,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         trainable = self._trainable.trainable()
         self._hook_registered = False
         self._settings_verified = False  # at the first synchronising forward, once the hook is registered
+        self._in_backward_seen = 0  # _apply_optimizer_in_backward's registrations when last looked at
         return Reducer(
             params=[p for _, p in trainable],
             names=[name for name, _ in trainable],
@@ -270,6 +273,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         state["_reducer"] = None
         state["_hook_registered"] = False
         state["_settings_verified"] = False
+        state["_in_backward_seen"] = 0  # the new reducer takes torch's optimizers in backward over anew
         state["_shared_memory_obstacles"] = None  # the process that loads it has its own environment
         state["_usage_log"] = UsageLog()  # as torch's: a new logger
         return state
@@ -356,6 +360,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._join_config.enable:
             rebuild_src, buffers_src = self._announce_to_joined_ranks(will_sync, sync_buffers)
         if will_sync:
+            self._take_over_optimizers_in_backward()  # before the settings check: it changes the transport
             self._verify_settings_once()
             self._follow_trainable_changes()
             self._usage_log.on_sync_forward(self._rebuilt_plan)
@@ -424,6 +429,34 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._follow_trainable_changes()
         self.reducer.prepare_forward(will_sync=True)
         self.reducer.prepare_backward(outputs)
+
+    def _take_over_optimizers_in_backward(self) -> None:
+        """torch's ``_apply_optimizer_in_backward`` would step each parameter with its local gradient: its
+        optimizers step with the average instead (:mod:`lightning_ddpx.engine.optim_in_backward`). Looked
+        for when the number of parameters it hooked changed (one look-up per synchronised forward)."""
+        seen = registrations()
+        if seen == self._in_backward_seen:
+            return
+        self._in_backward_seen = seen
+        found = take_over(self.reducer.params)
+        if found is None:
+            return
+        first = self.reducer.names[self.reducer.index_of[id(found.params[0])]]
+        if self._hook_registered or self.reducer.overlap is not None:
+            what = (
+                f"the communication hook {_describe(self.reducer.transport.hook)}"
+                if self._hook_registered
+                else "overlap_optimizer_with (overlap_optimizer=True)"
+            )
+            raise ValueError(
+                f"lightning_ddpx: parameter {first!r} (and {len(found.params) - 1} more) has optimizers in "
+                f"backward (torch.distributed.optim._apply_optimizer_in_backward), which step with the averaged "
+                f"gradient through a summing all-reduce of their own; they cannot be combined with {what}. "
+                "Drop one of the two (torch's DDP allows only its allreduce with optimizers in backward)."
+            )
+        if self.reducer.transport.hook is not sum_then_average_hook:
+            self.reducer.use_transport(Transport(sum_then_average_hook, self.process_group, self.device))
+        self.reducer.in_backward = found
 
     def _verify_settings_once(self) -> None:
         """Before the first synchronised backward, check that every rank uses the same hook, hook options
@@ -612,6 +645,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         launched and the ordering guarantee.
         """
         check_comm_hook(hook)
+        if self.reducer.in_backward is not None:
+            raise ValueError(
+                "lightning_ddpx: register_comm_hook cannot be combined with optimizers in backward "
+                "(torch.distributed.optim._apply_optimizer_in_backward): they step with the average of a "
+                "summing all-reduce of their own (as torch's DDP, which allows only its allreduce with them)."
+            )
         if self._hook_registered:
             raise RuntimeError(
                 f"lightning_ddpx: a communication hook ({_describe(self.reducer.transport.hook)}) is already registered; "
@@ -692,6 +731,12 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise RuntimeError(
                 "lightning_ddpx: overlap_optimizer_with was called while a backward is reducing; call it "
                 "between iterations (after optimizer construction, before the next forward)."
+            )
+        if optimizer is not None and self.reducer.in_backward is not None:
+            raise ValueError(
+                "lightning_ddpx: overlap_optimizer_with cannot be combined with optimizers in backward "
+                "(torch.distributed.optim._apply_optimizer_in_backward), which already step each parameter "
+                "with its averaged gradient inside backward. Use one of the two."
             )
         if self.reducer.overlap is not None:
             self.reducer.overlap.close()

@@ -93,6 +93,7 @@ class Reducer:
         self.overlap: Any = (
             None  # engine.optimizer_overlap, through set_overlap: the bucket plan depends on it
         )
+        self.in_backward: Any = None  # engine.optim_in_backward: torch's optimizers in backward, taken over
         self.stats = CommStatsRecorder()
         self.progress = ProgressBoard(process_group)  # what this rank last started, for hang reports
         self.phase = Phase.IDLE
@@ -404,6 +405,8 @@ class Reducer:
                     self.overlap.write_back_and_step(results)
                 else:
                     self._write_back_in_order(results)
+                    if self.in_backward is not None:  # torch's optimizers in backward, with the average
+                        self.in_backward.step_and_release()
                 self.last_exposed_comm_s = results.waited
                 self.stats.finish(self.iterations_synced + 1, len(self.buckets), results.waited)
                 succeeded = True

@@ -1,0 +1,80 @@
+"""torch's optimizer in backward (``torch.distributed.optim._apply_optimizer_in_backward``) on our module.
+
+That function gives each parameter its own optimizers and a hook on its gradient accumulator that steps them
+as soon as the gradient is accumulated, then sets ``grad`` to ``None``. Under data parallelism that gradient
+is the local one, not the average: left alone, every rank would step with its own gradient and the replicas
+would drift apart from the first step, silently. torch's DDP takes those hooks off at its first forward and
+steps the optimizers after each bucket's all-reduce instead (on CUDA only: on a CPU-only build its hook
+needs an accelerator). Ours does the same on any device: at the first synchronised forward (and whenever
+such optimizers appear later, before a synchronised forward) the parameters' own hooks are removed, the
+buckets are summed and divided by the world size as torch's hook for this path does, each parameter's
+optimizers step with the average once it is written back, and its ``grad`` is ``None`` after backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from lightning_ddpx.engine.grad_bucket import (
+    GradBucket,
+    collectives_issued_on_call,
+    payload_bytes,
+    record_bytes_sent,
+)
+
+__all__ = ["InBackwardOptimizers", "registrations", "sum_then_average_hook", "take_over"]
+
+
+def _handle_map() -> Any:
+    from torch.distributed.optim import apply_optimizer_in_backward
+
+    return apply_optimizer_in_backward.param_to_optim_hook_handle_map
+
+
+def registrations() -> int:
+    """How many parameters ``_apply_optimizer_in_backward`` has hooked in this process (one look-up: the
+    module re-scans its parameters only when this changes)."""
+    return len(_handle_map())
+
+
+@collectives_issued_on_call
+def sum_then_average_hook(process_group: dist.ProcessGroup, bucket: GradBucket) -> torch.futures.Future:
+    """torch's arithmetic for optimizers in backward: the sum all-reduced, then divided by the world size."""
+    buffer = bucket.buffer()
+    record_bytes_sent(bucket, payload_bytes(buffer))
+    size = dist.get_world_size(process_group)
+    future = dist.all_reduce(buffer, group=process_group, async_op=True).get_future()
+    return future.then(lambda done: done.value()[0].div_(size))
+
+
+class InBackwardOptimizers:
+    """The parameters whose optimizers step at the end of each synchronised backward, with the average."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
+        self.params = list(params)
+
+    def step_and_release(self) -> None:
+        """Step every parameter's optimizers (each updates only its parameter), then drop the gradients,
+        as torch's DDP does at the end of backward."""
+        for param in self.params:
+            for optimizer in param._in_backward_optimizers:  # type: ignore[attr-defined]
+                optimizer.step()
+        for param in self.params:
+            param.grad = None
+
+
+def take_over(params: Sequence[torch.nn.Parameter]) -> InBackwardOptimizers | None:
+    """Remove ``_apply_optimizer_in_backward``'s hooks from ``params`` and return what steps in their place;
+    ``None`` when no parameter has such optimizers."""
+    members = [p for p in params if getattr(p, "_in_backward_optimizers", None)]
+    if not members:
+        return None
+    handles = _handle_map()
+    for param in members:
+        for handle in handles.get(param, []):
+            handle.remove()
+        handles[param] = []  # removed: a later look-up finds nothing left to remove
+    return InBackwardOptimizers(members)
