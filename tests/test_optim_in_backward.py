@@ -87,3 +87,28 @@ def test_optimizers_in_backward_refuse_a_comm_hook_or_the_overlap() -> None:
         with pytest.raises(ValueError, match="overlap_optimizer_with"):
             overlapped(torch.ones(2, 16))
         overlapped.close()
+
+
+def _no_sync_first(rank: int, world_size: int) -> None:
+    """The first forward inside no_sync(): the optimizers must not step then (with the local gradient),
+    and the next synchronised backward steps them once, with the average of the accumulated gradients."""
+    torch.manual_seed(0)
+    base = _model()
+    theirs_module, ours_module = copy.deepcopy(base), copy.deepcopy(base)
+    theirs = torch.nn.parallel.DistributedDataParallel(theirs_module)
+    reference = [torch.optim.SGD([p], lr=0.1) for p in theirs_module.parameters()]
+    _apply_optimizer_in_backward(torch.optim.SGD, ours_module.parameters(), {"lr": 0.1})
+    ours = lightning_ddpx.DistributedDataParallel(ours_module)
+    for model in (theirs, ours):
+        with model.no_sync():
+            model(rank_batch(rank, 0, (8, 16))).pow(2).mean().backward()
+        model(rank_batch(rank, 1, (8, 16))).pow(2).mean().backward()
+    for opt in reference:
+        opt.step()
+    assert_same_tensors(
+        dict(ours_module.named_parameters()), dict(theirs_module.named_parameters()), f"rank {rank}", 0, 0
+    )
+
+
+def test_a_no_sync_backward_first_does_not_step_them() -> None:
+    run_distributed(_no_sync_first, 2)

@@ -359,8 +359,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         rebuild_src, buffers_src = 0, self.buffer_source_rank
         if self._join_config.enable:
             rebuild_src, buffers_src = self._announce_to_joined_ranks(will_sync, sync_buffers)
+        # at any forward, as torch's DDP at its first: a no_sync() backward must not step them either
+        self._take_over_optimizers_in_backward()  # before the settings check: it changes the transport
         if will_sync:
-            self._take_over_optimizers_in_backward()  # before the settings check: it changes the transport
             self._verify_settings_once()
             self._follow_trainable_changes()
             self._usage_log.on_sync_forward(self._rebuilt_plan)
@@ -433,7 +434,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _take_over_optimizers_in_backward(self) -> None:
         """torch's ``_apply_optimizer_in_backward`` would step each parameter with its local gradient: its
         optimizers step with the average instead (:mod:`lightning_ddpx.engine.optim_in_backward`). Looked
-        for when the number of parameters it hooked changed (one look-up per synchronised forward)."""
+        for when the number of parameters it hooked changed (one look-up per forward)."""
         seen = registrations()
         if seen == self._in_backward_seen:
             return

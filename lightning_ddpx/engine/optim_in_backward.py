@@ -5,8 +5,8 @@ as soon as the gradient is accumulated, then sets ``grad`` to ``None``. Under da
 is the local one, not the average: left alone, every rank would step with its own gradient and the replicas
 would drift apart from the first step, silently. torch's DDP takes those hooks off at its first forward and
 steps the optimizers after each bucket's all-reduce instead (on CUDA only: on a CPU-only build its hook
-needs an accelerator). Ours does the same on any device: at the first synchronised forward (and whenever
-such optimizers appear later, before a synchronised forward) the parameters' own hooks are removed, the
+needs an accelerator). Ours does the same on any device: at the first forward (and whenever such
+optimizers appear later, at the next forward) the parameters' own hooks are removed, the
 buckets are summed and divided by the world size as torch's hook for this path does, each parameter's
 optimizers step with the average once it is written back, and its ``grad`` is ``None`` after backward.
 """
