@@ -13,6 +13,7 @@ optimizers step with the average once it is written back, and its ``grad`` is ``
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Sequence
 
 import torch
@@ -28,16 +29,21 @@ from lightning_ddpx.engine.grad_bucket import (
 __all__ = ["InBackwardOptimizers", "registrations", "sum_then_average_hook", "take_over"]
 
 
-def _handle_map() -> Any:
-    from torch.distributed.optim import apply_optimizer_in_backward
+# Looked up, never imported: importing torch.distributed.optim costs time and warnings (torch.jit), and
+# nothing can have been hooked by a module nobody imported.
+_MODULE = "torch.distributed.optim.apply_optimizer_in_backward"
 
-    return apply_optimizer_in_backward.param_to_optim_hook_handle_map
+
+def _handle_map() -> Any:
+    module = sys.modules.get(_MODULE)
+    return None if module is None else module.param_to_optim_hook_handle_map
 
 
 def registrations() -> int:
     """How many parameters ``_apply_optimizer_in_backward`` has hooked in this process (one look-up: the
     module re-scans its parameters only when this changes)."""
-    return len(_handle_map())
+    handles = _handle_map()
+    return 0 if handles is None else len(handles)
 
 
 @collectives_issued_on_call
@@ -70,9 +76,9 @@ def take_over(params: Sequence[torch.nn.Parameter]) -> InBackwardOptimizers | No
     """Remove ``_apply_optimizer_in_backward``'s hooks from ``params`` and return what steps in their place;
     ``None`` when no parameter has such optimizers."""
     members = [p for p in params if getattr(p, "_in_backward_optimizers", None)]
-    if not members:
-        return None
     handles = _handle_map()
+    if not members or handles is None:
+        return None
     for param in members:
         for handle in handles.get(param, []):
             handle.remove()
