@@ -154,15 +154,10 @@ def run_rank(rank: int, world_size: int, config: RunConfig) -> dict[str, Any]:
     }
 
 
-def _cpu_of_all_ranks(per_rank: list[dict[str, Any]], contender: str) -> list[float]:
-    """CPU seconds per timed step summed over the ranks: the work the whole job did for that step."""
-    return [sum(step) for step in zip(*(rank["cpu_s"][contender] for rank in per_rank))]
-
-
-def _mean_faults(per_rank: list[dict[str, Any]], contender: str) -> float:
-    """Minor page faults per timed step, summed over the ranks, averaged over the steps."""
-    per_step = [sum(step) for step in zip(*(rank["page_faults"][contender] for rank in per_rank))]
-    return sum(per_step) / max(len(per_step), 1)
+def _summed_over_ranks(per_rank: list[dict[str, Any]], key: str, contender: str) -> list[float]:
+    """One per-step measure (``cpu_s``, ``page_faults``) summed over the ranks: what the whole job spent on
+    each timed step."""
+    return [sum(step) for step in zip(*(rank[key][contender] for rank in per_rank))]
 
 
 def _contenders(config: RunConfig) -> tuple[str, ...]:
@@ -210,7 +205,10 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         per_rank = launch(run_rank, (config,), world_size=args.world_size, timeout_s=args.timeout)
         rank0 = per_rank[0]
         summary = summarize_pair(rank0["times_s"]["torch"], rank0["times_s"]["ours"])
-        cpu = summarize_pair(*(_cpu_of_all_ranks(per_rank, contender) for contender in CONTENDERS))
+        cpu_s = {c: _summed_over_ranks(per_rank, "cpu_s", c) for c in _contenders(config)}
+        faults = {c: _summed_over_ranks(per_rank, "page_faults", c) for c in _contenders(config)}
+        mean_faults = {c: sum(steps) / max(len(steps), 1) for c, steps in faults.items()}
+        cpu = summarize_pair(cpu_s["torch"], cpu_s["ours"])
         target_ratio = TARGET_RATIOS.get(name)
         result = verdict(summary.ratio, target_ratio)
         diff = max(r["param_max_abs_diff"] for r in per_rank)
@@ -225,13 +223,13 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             f"95 % {summary.ratio_ci_low:.3f}-{summary.ratio_ci_high:.3f}]; CPU of all ranks per step: torch "
             f"{cpu.baseline_ms:.1f} ms, ours {cpu.candidate_ms:.1f} ms, ratio {cpu.ratio:.3f} "
             f"[95 % {cpu.ratio_ci_low:.3f}-{cpu.ratio_ci_high:.3f}]; minor page faults per step (all ranks, "
-            f"mean): " + ", ".join(f"{c} {_mean_faults(per_rank, c):.0f}" for c in _contenders(config)),
+            f"mean): " + ", ".join(f"{c} {count:.0f}" for c, count in mean_faults.items()),
             flush=True,
         )
         if config.before:
             before = summarize_pair(rank0["times_s"]["torch"], rank0["times_s"]["before"])
             after = summarize_pair(rank0["times_s"]["before"], rank0["times_s"]["ours"])
-            after_cpu = summarize_pair(*(_cpu_of_all_ranks(per_rank, c) for c in ("before", "ours")))
+            after_cpu = summarize_pair(cpu_s["before"], cpu_s["ours"])
             print(
                 f"[{name}] before/torch {before.ratio:.3f} [p25 {before.ratio_p25:.3f}, p75 {before.ratio_p75:.3f}], "
                 f"ours/before {after.ratio:.3f} [p25 {after.ratio_p25:.3f}, p75 {after.ratio_p75:.3f}; 95 % "
@@ -272,10 +270,10 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "ours_launcher": rank0["ours_launcher"],
             "param_max_abs_diff": diff,
             "summary": asdict(summary),
-            "torch_cpu_ms": [1e3 * t for t in _cpu_of_all_ranks(per_rank, "torch")],
-            "ours_cpu_ms": [1e3 * t for t in _cpu_of_all_ranks(per_rank, "ours")],
+            "torch_cpu_ms": [1e3 * t for t in cpu_s["torch"]],
+            "ours_cpu_ms": [1e3 * t for t in cpu_s["ours"]],
             "cpu_summary": asdict(cpu),
-            "page_faults_per_step": {c: _mean_faults(per_rank, c) for c in _contenders(config)},
+            "page_faults_per_step": mean_faults,
             "target_ratio": target_ratio,
             "result": result,
         }
