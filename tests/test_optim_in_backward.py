@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import _apply_optimizer_in_backward
+from torch.distributed.optim.apply_optimizer_in_backward import param_to_optim_hook_handle_map
 
 import lightning_ddpx
 from tests.dist_utils import one_rank_group, run_distributed
@@ -81,12 +82,26 @@ def test_optimizers_in_backward_refuse_a_comm_hook_or_the_overlap() -> None:
         hooked.register_comm_hook(None, lightning_ddpx.hooks.noop_hook)
         with pytest.raises(ValueError, match=r"'0.weight' \(and 5 more\) has optimizers in backward"):
             hooked(torch.ones(2, 16))
+        assert all(
+            param_to_optim_hook_handle_map[p] for p in module.parameters()
+        )  # refused before any change
         hooked.close()
         overlapped = lightning_ddpx.DistributedDataParallel(module)
         overlapped.overlap_optimizer_with(torch.optim.SGD(module.parameters(), lr=0.1))
-        with pytest.raises(ValueError, match="overlap_optimizer_with"):
+        with pytest.raises(ValueError, match="combined with overlap_optimizer_with"):
             overlapped(torch.ones(2, 16))
         overlapped.close()
+        taken = lightning_ddpx.DistributedDataParallel(module)
+        taken(torch.ones(2, 16))  # takes them over
+        with pytest.raises(
+            ValueError, match="parameters have optimizers in backward .* with register_comm_hook"
+        ):
+            taken.register_comm_hook(None, lightning_ddpx.hooks.noop_hook)
+        with pytest.raises(
+            ValueError, match="parameters have optimizers in backward .* with overlap_optimizer_with"
+        ):
+            taken.overlap_optimizer_with(torch.optim.SGD(module.parameters(), lr=0.1))
+        taken.close()
 
 
 def _no_sync_first(rank: int, world_size: int) -> None:

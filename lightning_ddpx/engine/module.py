@@ -31,7 +31,7 @@ from lightning_ddpx.engine.errors import waiting_for
 from lightning_ddpx.engine.exit_threads import register_exit_handler
 from lightning_ddpx.engine.hook_signature import check_comm_hook
 from lightning_ddpx.engine.join import DDPXJoinHook, announce, broadcast_from
-from lightning_ddpx.engine.optim_in_backward import registrations, sum_then_average_hook, take_over
+from lightning_ddpx.engine.optim_in_backward import refuse_combination, registrations, take_over
 from lightning_ddpx.engine.optimizer_overlap import OptimizerOverlap
 from lightning_ddpx.engine.placement import DeviceLike, resolve_placement, side_stream_copies
 from lightning_ddpx.engine.profiling import label
@@ -40,7 +40,6 @@ from lightning_ddpx.engine.replica_check import ReplicaReport, named_state, veri
 from lightning_ddpx.engine.shared_memory import local_obstacles
 from lightning_ddpx.engine.sparse import expects_sparse_gradients
 from lightning_ddpx.engine.trainable_set import TrainableSet
-from lightning_ddpx.engine.transport import Transport
 from lightning_ddpx.engine.unsupported_options import refuse_unsupported_arguments
 from lightning_ddpx.engine.usage_log import UsageLog, errors_logged, logging_data
 
@@ -436,28 +435,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         optimizers step with the average instead (:mod:`lightning_ddpx.engine.optim_in_backward`). Looked
         for when the number of parameters it hooked changed (one look-up per forward)."""
         seen = registrations()
-        if seen == self._in_backward_seen:
-            return
-        self._in_backward_seen = seen
-        found = take_over(self.reducer.params)
-        if found is None:
-            return
-        first = self.reducer.names[self.reducer.index_of[id(found.params[0])]]
-        if self._hook_registered or self.reducer.overlap is not None:
-            what = (
-                f"the communication hook {_describe(self.reducer.transport.hook)}"
-                if self._hook_registered
-                else "overlap_optimizer_with (overlap_optimizer=True)"
-            )
-            raise ValueError(
-                f"lightning_ddpx: parameter {first!r} (and {len(found.params) - 1} more) has optimizers in "
-                f"backward (torch.distributed.optim._apply_optimizer_in_backward), which step with the averaged "
-                f"gradient through a summing all-reduce of their own; they cannot be combined with {what}. "
-                "Drop one of the two (torch's DDP allows only its allreduce with optimizers in backward)."
-            )
-        if self.reducer.transport.hook is not sum_then_average_hook:
-            self.reducer.use_transport(Transport(sum_then_average_hook, self.process_group, self.device))
-        self.reducer.in_backward = found
+        if seen != self._in_backward_seen:
+            self._in_backward_seen = seen
+            take_over(self.reducer, self.process_group, self.device, self.comm_hook)
 
     def _verify_settings_once(self) -> None:
         """Before the first synchronised backward, check that every rank uses the same hook, hook options
@@ -647,11 +627,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         """
         check_comm_hook(hook)
         if self.reducer.in_backward is not None:
-            raise ValueError(
-                "lightning_ddpx: register_comm_hook cannot be combined with optimizers in backward "
-                "(torch.distributed.optim._apply_optimizer_in_backward): they step with the average of a "
-                "summing all-reduce of their own (as torch's DDP, which allows only its allreduce with them)."
-            )
+            refuse_combination("this module's parameters have", "register_comm_hook")
         if self._hook_registered:
             raise RuntimeError(
                 f"lightning_ddpx: a communication hook ({_describe(self.reducer.transport.hook)}) is already registered; "
@@ -734,11 +710,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "between iterations (after optimizer construction, before the next forward)."
             )
         if optimizer is not None and self.reducer.in_backward is not None:
-            raise ValueError(
-                "lightning_ddpx: overlap_optimizer_with cannot be combined with optimizers in backward "
-                "(torch.distributed.optim._apply_optimizer_in_backward), which already step each parameter "
-                "with its averaged gradient inside backward. Use one of the two."
-            )
+            refuse_combination("this module's parameters have", "overlap_optimizer_with")
         if self.reducer.overlap is not None:
             self.reducer.overlap.close()
         self.reducer.set_overlap(None if optimizer is None else OptimizerOverlap(optimizer, self.reducer))

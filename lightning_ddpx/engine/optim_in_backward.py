@@ -14,7 +14,7 @@ optimizers step with the average once it is written back, and its ``grad`` is ``
 from __future__ import annotations
 
 import sys
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,8 +25,18 @@ from lightning_ddpx.engine.grad_bucket import (
     payload_bytes,
     record_bytes_sent,
 )
+from lightning_ddpx.engine.transport import CommHook, Transport, hook_name
 
-__all__ = ["InBackwardOptimizers", "registrations", "sum_then_average_hook", "take_over"]
+if TYPE_CHECKING:
+    from lightning_ddpx.engine.reducer import Reducer
+
+__all__ = [
+    "InBackwardOptimizers",
+    "refuse_combination",
+    "registrations",
+    "sum_then_average_hook",
+    "take_over",
+]
 
 
 # Looked up, never imported: importing torch.distributed.optim costs time and warnings (torch.jit), and
@@ -72,15 +82,40 @@ class InBackwardOptimizers:
             param.grad = None
 
 
-def take_over(params: Sequence[torch.nn.Parameter]) -> InBackwardOptimizers | None:
-    """Remove ``_apply_optimizer_in_backward``'s hooks from ``params`` and return what steps in their place;
-    ``None`` when no parameter has such optimizers."""
-    members = [p for p in params if getattr(p, "_in_backward_optimizers", None)]
+def refuse_combination(subject: str, what: str) -> NoReturn:
+    """The one error for optimizers in backward together with ``what`` (a comm hook, the optimizer overlap);
+    ``subject``: which parameters have them."""
+    raise ValueError(
+        f"lightning_ddpx: {subject} optimizers in backward (torch.distributed.optim._apply_optimizer_in_backward), "
+        "which step each parameter with its averaged gradient through a summing all-reduce of their own; they "
+        f"cannot be combined with {what}. Drop one of the two (torch's DDP allows only its allreduce with "
+        "optimizers in backward)."
+    )
+
+
+def take_over(
+    reducer: Reducer, process_group: dist.ProcessGroup, device: torch.device, registered_hook: CommHook | None
+) -> None:
+    """If some of ``reducer``'s parameters have optimizers in backward: refuse a registered hook or the
+    optimizer overlap (before changing anything), else remove ``_apply_optimizer_in_backward``'s hooks, sum
+    the buckets through :func:`sum_then_average_hook` and have the reducer step the optimizers after
+    backward. Every rank calls it at the same forward (the transport is part of the settings they compare)."""
+    members = [p for p in reducer.params if getattr(p, "_in_backward_optimizers", None)]
     handles = _handle_map()
     if not members or handles is None:
-        return None
+        return
+    if registered_hook is not None or reducer.overlap is not None:
+        first = reducer.names[reducer.index_of[id(members[0])]]
+        refuse_combination(
+            f"parameter {first!r} (and {len(members) - 1} more) has",
+            f"the communication hook {hook_name(registered_hook)}"
+            if registered_hook is not None
+            else "overlap_optimizer_with (overlap_optimizer=True)",
+        )
     for param in members:
         for handle in handles.get(param, []):
             handle.remove()
         handles[param] = []  # removed: a later look-up finds nothing left to remove
-    return InBackwardOptimizers(members)
+    if reducer.transport.hook is not sum_then_average_hook:
+        reducer.use_transport(Transport(sum_then_average_hook, process_group, device))
+    reducer.in_backward = InBackwardOptimizers(members)
