@@ -20,7 +20,7 @@ import threading
 import time
 import weakref
 from datetime import timedelta
-from typing import Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -29,12 +29,16 @@ from lightning_ddpx._compat.torch import default_store, process_group_store
 from lightning_ddpx.engine.errors import CommunicationError
 from lightning_ddpx.engine.exit_threads import stop_at_exit
 
+if TYPE_CHECKING:
+    from lightning_ddpx.engine.bucketing import BucketSpec
+
 T = TypeVar("T")
 
 __all__ = [
     "DEBUG_ENV",
     "PROGRESS_INTERVAL_S",
     "CollectiveMismatchError",
+    "bucket_checked",
     "checked_call",
     "ProgressBoard",
     "check_same_sequence",
@@ -318,3 +322,16 @@ def checked_call(
         return call()
 
     return checked
+
+
+def bucket_checked(
+    call: Callable[[], T],
+    process_group: dist.ProcessGroup,
+    b: int,
+    spec: BucketSpec,
+    counters: tuple[int, int],
+) -> Callable[[], T]:
+    """``call`` (bucket ``b``'s reduction) preceded by DDPX_DEBUG's check that every rank reduces this same
+    bucket now; ``counters``: the synchronising forwards and reductions counted at this point."""
+    signature = (*counters, b, spec.numel, dtype_code(spec.dtype))
+    return checked_call(call, process_group, spec.device, signature, f"bucket {b} before its hook")

@@ -32,6 +32,7 @@ from torch.distributed.algorithms.join import JoinHook
 from lightning_ddpx._compat.torch import JoinConfig
 from lightning_ddpx.engine.buckets import param_views
 from lightning_ddpx.engine.cuda_streams import current_stream, on_stream
+from lightning_ddpx.engine.diagnosis import bucket_checked
 from lightning_ddpx.engine.errors import waiting_for
 from lightning_ddpx.engine.grad_bucket import GradBucket
 from lightning_ddpx.engine.profiling import label
@@ -170,7 +171,8 @@ def shadow_reduction(reducer: Reducer, bitmap: bool) -> None:
             )
             call = on_stream(current_stream(zeros.device), lambda gb=grad_bucket: transport.shadow(gb))
             if reducer.progress.debug:  # counted as if this rank ran the forward it shadows
-                call = reducer.debug_checked(call, b, (reducer.forwards_armed + 1, reducer.reductions + 1))
+                counters = (reducer.forwards_armed + 1, reducer.reductions + 1)
+                call = bucket_checked(call, reducer.process_group, b, bucket.spec, counters)
             launched.append((b, transport.launcher.submit(call)))
         used = reducer.launch_used_bitmap() if bitmap else None
         for b, future in launched:

@@ -242,7 +242,7 @@ class OptimizerOverlap:
     def _write_back_and_step(self, results: ResultsInOrder) -> None:
         reducer = self.reducer
         plan, view, groups = self._groups_per_bucket(), self._view(), self.optimizer.param_groups
-        used, index_of = reducer.locally_used, reducer.index_of  # per parameter index; parameter -> index
+        used, index_of = reducer.used.local, reducer.index_of  # per parameter index; parameter -> index
 
         def locally_used(param: torch.nn.Parameter) -> bool:
             return bool(used[index_of[id(param)]])

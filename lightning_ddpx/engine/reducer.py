@@ -21,7 +21,7 @@ joined rank's shadow reductions (:mod:`~lightning_ddpx.engine.join`) and static 
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,8 +36,7 @@ from lightning_ddpx.engine.bucketing import BucketInfo
 from lightning_ddpx.engine.buckets import Bucket
 from lightning_ddpx.engine.comm_stats import CommStatsRecorder
 from lightning_ddpx.engine.cuda_streams import GradientStreams, current_stream, on_stream, wait_streams
-from lightning_ddpx.engine.diagnosis import ProgressBoard, checked_call, dtype_code
-from lightning_ddpx.engine.errors import waiting_for
+from lightning_ddpx.engine.diagnosis import ProgressBoard, bucket_checked
 from lightning_ddpx.engine.grad_bucket import GradBucket, payload_bytes
 from lightning_ddpx.engine.graph import reachable_parameter_indices
 from lightning_ddpx.engine.profiling import label
@@ -51,6 +50,7 @@ from lightning_ddpx.engine.transport import (
     hook_name,
 )
 from lightning_ddpx.engine.usage_log import UsageLog
+from lightning_ddpx.engine.used_parameters import UsedParameters
 
 __all__ = ["CommHook", "Phase", "Reducer"]
 
@@ -86,7 +86,7 @@ class Reducer:
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
         self.usage_log = usage_log  # records the errors backward raises (torch's usage logger)
-        self._set_params(params, names, sparse_gradients, used=bytearray(len(params)))
+        self._set_params(params, names, sparse_gradients, UsedParameters(len(params)))
         # every rank's shared-memory obstacles, when a collective at construction already carried them
         self._obstacles = None if shared_memory_obstacles is None else list(shared_memory_obstacles)
         self.transport: Transport = self._default_transport()
@@ -114,7 +114,7 @@ class Reducer:
         params: Sequence[torch.nn.Parameter],
         names: Sequence[str],
         sparse_gradients: Sequence[bool] | None,
-        used: bytearray,
+        used: UsedParameters,
     ) -> None:
         self.params, self.names = list(params), list(names)
         # parameters whose gradients are sparse (embeddings with sparse=True): each in a bucket of its own
@@ -124,10 +124,7 @@ class Reducer:
         self.streams = GradientStreams(len(self.params))
         # static_graph: the first synchronised backward's record replaces the per-step graph walk
         self.static: StaticGraph | None = StaticGraph(self.names) if self.static_graph else None
-        # Parameters that received a gradient on this rank since the last synchronised backward, no_sync()
-        # backwards included (torch's local_used_map): the bitmap find_unused_parameters shares, so that a
-        # gradient accumulated only in a no_sync() micro-batch is still averaged. Indexed by parameter.
-        self.locally_used = used  # read by the optimizer overlap, like index_of (id(param) -> index)
+        self.used = used  # torch's used maps (engine.used_parameters); read by the optimizer overlap too
 
     def _start_planning(self) -> None:
         """torch's construction-time buckets, re-planned after the observed ready order; gradient hooks."""
@@ -284,7 +281,7 @@ class Reducer:
                 self._mark_ready(index, used=True)  # errors, the first iterations, CUDA: the general path
                 return
             ready[index] = 1
-            self.locally_used[index] = 1
+            self.used.local[index] = 1
             b = self._bucket_of[index]
             pending = self._pending
             left = pending[b] - 1
@@ -298,7 +295,7 @@ class Reducer:
         """A gradient outside a synchronised backward (``no_sync``): averaged at the next synchronisation."""
         if self.synced_since_forward:
             raise RuntimeError(messages.backward_after_sync(self.rank, self.names[index]))
-        self.locally_used[index] = 1
+        self.used.local[index] = 1
         if self.static is not None and self.static.unused_everywhere(index):
             raise RuntimeError(self.static.accumulated_message(index, self.rank))
 
@@ -319,7 +316,7 @@ class Reducer:
             recording.append(index)
         b = self._bucket_of[index]
         if used:
-            self.locally_used[index] = 1
+            self.used.local[index] = 1
             if self._on_cuda:  # its stream noted; with bucket views, copied into its view on that stream
                 bucket = self.buckets[b]
                 as_view = self.gradient_as_bucket_view and not bucket.spec.sparse
@@ -345,7 +342,10 @@ class Reducer:
         with label("lightning_ddpx::launch_bucket"):
             stream = current_stream(bucket.buffer.device)  # None off CUDA
             self._launch_streams[b] = stream
-            buffer, views, prefilled = self._fill(b, bucket, stream)
+            buffer, views, prefilled = transport.fill(
+                b, bucket, self.used.local, not self._unused_in_bucket[b], self.gradient_as_bucket_view,
+                self.streams if self._on_cuda else None, stream,
+            )  # fmt: skip
             grad_bucket = GradBucket(
                 b, buffer, views, bucket.params, b == len(self.buckets) - 1, self.stats.sent_log,
                 names=bucket.names,
@@ -358,41 +358,9 @@ class Reducer:
             call = self.stats.timed(lambda: transport.reduce(grad_bucket, prefilled), nbytes)
             call = on_stream(stream, call)  # also on the communication thread
             if self.progress.debug:
-                call = self.debug_checked(call, b, (self.forwards_armed, self.reductions + 1))
+                counters = (self.forwards_armed, self.reductions + 1)
+                call = bucket_checked(call, self.process_group, b, bucket.spec, counters)
             self._futures[b] = transport.launcher.submit(call)
-
-    def _fill(self, b: int, bucket: Bucket, stream: Any) -> tuple[torch.Tensor, list[torch.Tensor], bool]:
-        """Put this rank's contribution where the transport takes it: (buffer, views, into its target)."""
-        scale, indices = self.transport.scale, bucket.spec.param_indices
-        others = self.streams.others(indices, stream) if self._on_cuda else []
-        if bucket.spec.sparse:
-            wait_streams(stream, others)
-            return (
-                bucket.sparse_contribution(self.locally_used[indices[0]], self.transport.divisor),
-                [],
-                False,
-            )
-        all_used = not self._unused_in_bucket[b]
-        if self.gradient_as_bucket_view:
-            wait_streams(stream, others)  # CUDA: the views were written in each gradient's own hook
-            bucket.adopt_grads_as_views(None if all_used else self.locally_used)
-            if scale is not None:
-                bucket.buffer.mul_(scale)
-        elif others:
-            self.streams.copy_on_producers(indices, bucket.params, bucket.views, scale, stream)
-        else:
-            target = self.transport.fill_target(b, bucket)
-            bucket.fill(scale, all_used, target)
-            return bucket.buffer, bucket.views, target is not None
-        return bucket.buffer, bucket.views, False
-
-    def debug_checked(
-        self, call: Callable[[], torch.futures.Future], b: int, counters: tuple[int, int]
-    ) -> Callable[[], torch.futures.Future]:
-        """``call`` preceded by DDPX_DEBUG's check that every rank reduces this same bucket now."""
-        spec = self.buckets[b].spec
-        signature = (*counters, b, spec.numel, dtype_code(spec.dtype))
-        return checked_call(call, self.process_group, spec.device, signature, f"bucket {b} before its hook")
 
     # ------------------------------------------------------------------------------------- finalize
     def _finalize(self) -> None:
@@ -450,17 +418,10 @@ class Reducer:
 
     def launch_used_bitmap(self) -> torch.futures.Future:
         """Issue the all-reduce of which parameters each rank used since the last synchronisation."""
-        self.progress.record("the used-parameter bitmap in iteration {}", self.iterations_synced + 1)
-        bitmap = torch.tensor(
-            list(self.locally_used), dtype=torch.int32, device=self.buckets[0].buffer.device
+        device, iteration = self.buckets[0].buffer.device, self.iterations_synced + 1
+        return self.used.launch_counts(
+            self.process_group, device, self.transport.launcher, self.progress, iteration
         )
-        group = self.process_group
-        # CUDA: issued with this (the copying) stream current, also on the communication thread
-        issue = on_stream(
-            current_stream(bitmap.device),
-            lambda: dist.all_reduce(bitmap, group=group, async_op=True).get_future(),
-        )
-        return self.transport.launcher.submit(issue)
 
     # The interface of the end of backward (engine.results_in_order), the optimizer overlap's included.
     def wait_bucket(self, b: int) -> Any:
@@ -483,13 +444,8 @@ class Reducer:
         return self.static.globally_used if self.static is not None else None
 
     def shared_counts(self, globally_used: torch.futures.Future) -> list[int]:
-        """Per parameter, how many ranks used it: the used-parameter bitmap's result (recorded by a static
-        graph)."""
-        with waiting_for("the used-parameter bitmap (find_unused_parameters)", self.process_group):
-            counts = globally_used.wait()[0].tolist()
-        if self.static is not None:
-            self.static.record(counts)
-        return counts
+        """Per parameter, how many ranks used it: the used-parameter bitmap's result."""
+        return UsedParameters.counts(globally_used, self.process_group, self.static)
 
     def write_back(self, b: int, result: Any, used_counts: Sequence[int] | None) -> None:
         """Put bucket ``b``'s result into its parameters' ``grad`` (those no rank used keep theirs)."""
@@ -505,7 +461,7 @@ class Reducer:
         self.reductions += 1
         self._remove_start_hooks()
         self.synced_since_forward = succeeded
-        self.locally_used = bytearray(len(self.params))
+        self.used.clear()
         if succeeded:
             self.iterations_synced += 1
         self.planner.iteration_ended(succeeded)
@@ -551,8 +507,7 @@ class Reducer:
             raise RuntimeError("lightning_ddpx: the reduced parameters can only change between iterations")
         self._grad_hooks.remove()
         # "used since the last synchronisation" (no_sync gradients) follows each parameter to its new index
-        used_before = {id(p) for p, used in zip(self.params, self.locally_used) if used}
-        self._set_params(params, names, sparse_gradients, bytearray(id(p) in used_before for p in params))
+        self._set_params(params, names, sparse_gradients, self.used.carried_over(self.params, params))
         old = self.transport
         if not old.serves(self.params):  # the default path is chosen anew: shared memory may fit now
             old.close()

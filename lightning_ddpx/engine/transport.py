@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ddpx.engine.buckets import Bucket, param_views
+from lightning_ddpx.engine.cuda_streams import GradientStreams, wait_streams
 from lightning_ddpx.engine.errors import waiting_for
 from lightning_ddpx.engine.grad_bucket import (
     GradBucket,
@@ -101,6 +102,39 @@ class Transport:
     def fill_target(self, b: int, bucket: Bucket) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         """Where to copy bucket ``b``'s gradients, if not into its own buffer."""
         return None
+
+    def fill(
+        self,
+        b: int,
+        bucket: Bucket,
+        used: bytearray,
+        all_used: bool,
+        as_view: bool,
+        streams: GradientStreams | None,
+        stream: Any,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], bool]:
+        """Put this rank's contribution to bucket ``b`` where this transport takes it, scaled as it asks;
+        returns (buffer, views, whether it went to :meth:`fill_target`). ``used``: the parameters used on
+        this rank; ``all_used``: every parameter of the bucket produced a gradient in this backward;
+        ``as_view``: gradient_as_bucket_view; ``streams``, ``stream``: CUDA's (``None`` off CUDA)."""
+        scale, indices = self.scale, bucket.spec.param_indices
+        others = streams.others(indices, stream) if streams is not None else []
+        if bucket.spec.sparse:
+            wait_streams(stream, others)
+            return bucket.sparse_contribution(used[indices[0]], self.divisor), [], False
+        if as_view:
+            wait_streams(stream, others)  # CUDA: the views were written in each gradient's own hook
+            bucket.adopt_grads_as_views(None if all_used else used)
+            if scale is not None:
+                bucket.buffer.mul_(scale)
+        elif others:
+            assert streams is not None
+            streams.copy_on_producers(indices, bucket.params, bucket.views, scale, stream)
+        else:
+            target = self.fill_target(b, bucket)
+            bucket.fill(scale, all_used, target)
+            return bucket.buffer, bucket.views, target is not None
+        return bucket.buffer, bucket.views, False
 
     def reduce(self, grad_bucket: GradBucket, prefilled: bool) -> torch.futures.Future:
         """Issue bucket's reduction; ``prefilled``: the gradients went to :meth:`fill_target`."""
