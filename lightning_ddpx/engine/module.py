@@ -8,17 +8,15 @@ training: bad input fails on every rank at once, before work is lost.
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
 import warnings
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from lightning_ddpx._compat.torch import default_group, inputs_to_device
+from lightning_ddpx._compat.torch import inputs_to_device
 from lightning_ddpx.engine.backend_support import check_bf16_hook
 from lightning_ddpx.engine.bucketing import BucketInfo, is_bucket_cap, megabytes_to_bytes, resolve_bucket_caps
 from lightning_ddpx.engine.comm_stats import CommStatsSummary, StepCommStats
@@ -33,13 +31,16 @@ from lightning_ddpx.engine.hook_signature import check_comm_hook
 from lightning_ddpx.engine.join import DDPXJoinHook, announce, broadcast_from
 from lightning_ddpx.engine.optim_in_backward import refuse_combination, registrations, take_over
 from lightning_ddpx.engine.optimizer_overlap import OptimizerOverlap
+from lightning_ddpx.engine.pickling import group_for_unpickling, state_to_pickle
 from lightning_ddpx.engine.placement import DeviceLike, resolve_placement, side_stream_copies
 from lightning_ddpx.engine.profiling import label
+from lightning_ddpx.engine.rank_settings import SETTING_OPTIONS, module_settings
 from lightning_ddpx.engine.reducer import CommHook, Phase, Reducer
 from lightning_ddpx.engine.replica_check import ReplicaReport, named_state, verify_replicas
 from lightning_ddpx.engine.shared_memory import local_obstacles
 from lightning_ddpx.engine.sparse import expects_sparse_gradients
 from lightning_ddpx.engine.trainable_set import TrainableSet
+from lightning_ddpx.engine.transport import hook_name
 from lightning_ddpx.engine.unsupported_options import refuse_unsupported_arguments
 from lightning_ddpx.engine.usage_log import UsageLog, errors_logged, logging_data
 
@@ -259,19 +260,11 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # ------------------------------------------------------------------------------- pickle and copy
     def __getstate__(self) -> dict[str, Any]:
-        """What pickling and ``copy.deepcopy`` keep: everything but the process group and the reducer.
-
-        As with torch's DDP: the wrapped module, the options and the buffers travel; the process group
-        cannot be pickled, so only a module averaging over the default group can be, and a comm hook,
-        an overlapped optimizer and the reducer's statistics stay with the original (register them again
-        on the copy).
-        """
-        self._check_default_group()
-        state = copy.copy(self.__dict__)
-        del state["process_group"]
-        state["_reducer"] = None
-        state["_hook_registered"] = False
-        state["_settings_verified"] = False
+        """What pickling and ``copy.deepcopy`` keep: everything but the process group and the reducer
+        (:mod:`lightning_ddpx.engine.pickling`; as torch's DDP, only over the default group)."""
+        state = state_to_pickle(self.__dict__, self.process_group)
+        state["_reducer"] = None  # a new one at first use, with hooks and statistics of its own
+        state["_hook_registered"] = state["_settings_verified"] = False
         state["_in_backward_seen"] = 0  # the new reducer takes torch's optimizers in backward over anew
         state["_shared_memory_obstacles"] = None  # the process that loads it has its own environment
         state["_usage_log"] = UsageLog()  # as torch's: a new logger
@@ -280,30 +273,10 @@ class DistributedDataParallel(nn.Module, Joinable):
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Rebuild what pickling left behind: the default group now; the reducer at first use, so that
         loading on one rank (e.g. for inference) does not wait for the others."""
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "lightning_ddpx.DistributedDataParallel: unpickling a wrapped model needs the default process "
-                "group, but torch.distributed is not initialised (torch's DDP requires it too). Call "
-                "torch.distributed.init_process_group(...) first, or save and load the wrapped module instead: "
-                "torch.save(model.module) / model.module.state_dict()."
-            )
+        process_group = group_for_unpickling()
         super().__setstate__(state)
-        self.process_group = dist.group.WORLD
+        self.process_group = process_group
         register_exit_handler()
-
-    def _check_default_group(self) -> None:
-        try:
-            is_default = self.process_group == dist.group.WORLD or self.process_group == default_group()
-        except (RuntimeError, ValueError):
-            is_default = False
-        if not is_default:
-            raise RuntimeError(
-                "lightning_ddpx.DistributedDataParallel: this model averages over a process group other than "
-                "the default one, and process groups cannot be pickled or copied. Save or copy the wrapped "
-                "module (model.module) instead, and wrap the copy. (torch: DDP Pickling/Unpickling are only "
-                "supported when using DDP with the default process group. That is, when you have called "
-                "init_process_group and have not passed process_group argument to DDP constructor)"
-            )
 
     # ---------------------------------------------------------------------------- static graph (torch)
     @errors_logged
@@ -519,26 +492,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             )
 
     def settings(self) -> dict[str, str]:
-        """What must be equal on every rank, as text: reducer options, the comm hook and its options."""
-        settings = {
-            name: repr(getattr(self, name))
-            for name in ("bucket_cap_mb", "first_bucket_cap_mb", "find_unused_parameters",
-                         "gradient_as_bucket_view", "broadcast_buffers", "static_graph")
-        }  # fmt: skip
-        settings["comm_hook"] = (
-            _qualified_name(self.reducer.transport.hook) if self._hook_registered else "None (mean allreduce)"
-        )
-        settings["transport"] = self.reducer.transport.describe()  # the collectives each bucket takes
-        settings["DDPX_DEBUG"] = repr(self.reducer.progress.debug)  # one all-gather per bucket when on
-        settings["overlap_optimizer"] = repr(self.reducer.overlap is not None)  # it changes the bucket plan
-        # sparse embeddings get buckets of their own: a different sparse flag on one rank means other buckets
-        settings["sparse gradients"] = repr(
-            [name for name, sparse in zip(self.reducer.names, self.reducer.sparse_gradients) if sparse]
-        )
-        if self._hook_registered:
-            settings.update(_hook_state_settings(self.reducer.transport.state))
-        settings.update(self.driver_settings)
-        return settings
+        """What must be equal on every rank, as text: reducer options, the comm hook and its options, the
+        transport, and the driver's options (:mod:`lightning_ddpx.engine.rank_settings`)."""
+        options = {name: getattr(self, name) for name in SETTING_OPTIONS}
+        return module_settings(options, self.reducer, self._hook_registered, self.driver_settings)
 
     def close(self) -> None:
         """Detach from the wrapped module: remove gradient hooks, stop the communication thread.
@@ -630,7 +587,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             refuse_combination("this module's parameters have", "register_comm_hook")
         if self._hook_registered:
             raise RuntimeError(
-                f"lightning_ddpx: a communication hook ({_describe(self.reducer.transport.hook)}) is already registered; "
+                f"lightning_ddpx: a communication hook ({self.reducer.transport.name}) is already registered; "
                 "register_comm_hook can only be called once. Build a new DistributedDataParallel to change it. "
                 "(torch: register_comm_hook or register_builtin_comm_hook can only be called once.)"
             )
@@ -674,7 +631,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self.static_graph:
             settings["static_graph"] = 1
         if self._hook_registered:
-            settings["comm_hook"] = _describe(self.reducer.transport.hook)
+            hook = self.reducer.transport.hook
+            settings["comm_hook"] = getattr(hook, "__qualname__", None) or hook_name(hook)  # torch's field
         return settings
 
     def _rebuilt_plan(self) -> list[BucketInfo] | None:
@@ -852,38 +810,6 @@ def _check_sync_batchnorm(module: nn.Module, device: torch.device) -> None:
                 "for GPUs only, but the module is on the CPU (torch's DDP refuses this too). Train on GPUs, or "
                 "use plain BatchNorm on the CPU (Trainer(sync_batchnorm=False))."
             )
-
-
-# Options of hook states that must agree across ranks, by torch's and our names (PowerSGD, post-local SGD).
-_HOOK_OPTION_NAMES = (
-    "matrix_approximation_rank", "start_powerSGD_iter", "min_compression_rate", "use_error_feedback",
-    "warm_start", "orthogonalization_epsilon", "random_seed", "batch_tensors_with_same_shape",
-    "start_localSGD_iter", "post_local_gradient_allreduce", "period",
-)  # fmt: skip
-
-
-def _hook_state_settings(state: Any) -> dict[str, str]:
-    """The hook state's type and options (from ``state.options`` if it is a dataclass, else known names)."""
-    settings = {"comm_hook state": f"{type(state).__module__}.{type(state).__qualname__}"}
-    options = getattr(state, "options", None)
-    if dataclasses.is_dataclass(options) and not isinstance(options, type):
-        values = dataclasses.asdict(options)
-    else:
-        values = {name: getattr(state, name) for name in _HOOK_OPTION_NAMES if hasattr(state, name)}
-    for name, value in values.items():
-        if isinstance(value, (bool, int, float, str, type(None), tuple, list)):
-            settings[f"comm_hook option {name}"] = repr(value)
-    return settings
-
-
-def _qualified_name(hook: Callable) -> str:
-    name = getattr(hook, "__qualname__", None) or type(hook).__qualname__
-    module = getattr(hook, "__module__", None)
-    return f"{module}.{name}" if module else name
-
-
-def _describe(hook: Callable) -> str:
-    return getattr(hook, "__qualname__", None) or repr(hook)
 
 
 def _buffer_slots(module: nn.Module, ignored: set[str]) -> list[tuple[nn.Module, str]]:

@@ -21,6 +21,7 @@ Benchmarks compare paths by handing a reducer another transport (:meth:`Reducer.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import torch
@@ -51,10 +52,14 @@ CommHook = Callable[[Any, GradBucket], torch.futures.Future]
 
 
 def hook_name(hook: Callable) -> str:
-    """``module.qualname`` of a hook, for progress records and errors."""
-    module = getattr(hook, "__module__", None)
-    name = getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None) or repr(hook)
-    return f"{module}.{name}" if module else name
+    """``module.qualname`` of a hook, for progress records, errors and the settings every rank compares:
+    the same on every rank for the same hook (no address), so a ``functools.partial`` is named by the
+    function it wraps and a callable object by its class."""
+    if isinstance(hook, functools.partial):
+        return f"functools.partial({hook_name(hook.func)})"
+    named = hook if getattr(hook, "__qualname__", None) else type(hook)
+    module = getattr(named, "__module__", None)
+    return f"{module}.{named.__qualname__}" if module else named.__qualname__
 
 
 @collectives_issued_on_call
