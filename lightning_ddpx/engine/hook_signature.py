@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ddpx.engine.grad_bucket import GradBucket
+from lightning_ddpx.engine.transport import hook_name
 
 __all__ = ["check_comm_hook"]
 
@@ -38,19 +39,19 @@ def check_comm_hook(hook: Any) -> None:
         signature.bind(object(), object())
     except TypeError:
         raise TypeError(
-            f"lightning_ddpx: communication hook {_name(hook)} has signature {signature}, but hooks are called "
+            f"lightning_ddpx: communication hook {hook_name(hook)} has signature {signature}, but hooks are called "
             "as hook(state, bucket) and must return a torch.futures.Future holding the reduced bucket tensor."
         ) from None
     bucket = _bucket_annotation(signature)
     if not _is_bucket_type(bucket):
         raise ValueError(
-            f"lightning_ddpx: communication hook {_name(hook)} annotates its bucket as {_show(bucket)}, but "
+            f"lightning_ddpx: communication hook {hook_name(hook)} annotates its bucket as {_show(bucket)}, but "
             "it is given a torch.distributed.GradBucket (Communication hook: bucket annotation should be "
             "dist.GradBucket.). Fix the annotation, or remove it."
         )
     if not _is_future_type(signature.return_annotation):
         raise ValueError(
-            f"lightning_ddpx: communication hook {_name(hook)} is annotated to return "
+            f"lightning_ddpx: communication hook {hook_name(hook)} is annotated to return "
             f"{_show(signature.return_annotation)}, but a hook must return a future of the reduced bucket "
             "(Communication hook: return annotation should be torch.futures.Future[torch.Tensor].). Return "
             "e.g. dist.all_reduce(bucket.buffer(), async_op=True).get_future()."
@@ -103,7 +104,3 @@ def _show(annotation: Any) -> str:
     return (
         annotation if isinstance(annotation, str) else getattr(annotation, "__qualname__", repr(annotation))
     )
-
-
-def _name(hook: Callable) -> str:
-    return getattr(hook, "__qualname__", None) or repr(hook)

@@ -22,6 +22,7 @@ from torch import nn
 
 from lightning_ddpx.engine.bucketing import is_bucket_cap
 from lightning_ddpx.engine.module import DistributedDataParallel
+from lightning_ddpx.engine.transport import hook_name
 from lightning_ddpx.hooks import (
     DiLoCoOptions,
     PostLocalSGDOptions,
@@ -262,9 +263,7 @@ class DDPXConfig:
         elif isinstance(self.comm_hook, str):
             base = self.comm_hook
         else:
-            module = getattr(self.comm_hook, "__module__", None)
-            qualname = getattr(self.comm_hook, "__qualname__", type(self.comm_hook).__qualname__)
-            base = f"{module}.{qualname}" if module else qualname
+            base = hook_name(self.comm_hook)
         return f"{self.comm_wrapper}({base})" if self.comm_wrapper else base
 
     # ------------------------------------------------------------------------------------------ setup
