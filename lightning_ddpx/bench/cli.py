@@ -43,6 +43,27 @@ __all__ = ["main", "parse_args"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.convergence:
+        check_convergence_arguments(parser, args)
+        return args
+    if args.warmup <= START_POWERSGD_ITER:
+        parser.error(
+            f"--warmup must be > {START_POWERSGD_ITER} so that only compressed PowerSGD steps are timed"
+        )
+    if args.steps < 1 or args.block < 1 or args.world_size < 2:
+        parser.error("--steps and --block must be >= 1, --world-size >= 2")
+    try:
+        args.input_shape = [int(d) for d in args.input_shape.split(",")] if args.input_shape else None
+        args.hooks = [h.strip() for h in args.hooks.split(",") if h.strip()] if args.hooks else None
+        contenders_named(args.hooks)
+    except ValueError as error:
+        parser.error(str(error))
+    return args
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m lightning_ddpx.bench",
         description=__doc__,
@@ -88,23 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", metavar="PATH", help="write the results here")
     parser.add_argument("--png", metavar="PATH", help="write a bar chart here (needs matplotlib)")
     add_convergence_arguments(parser)
-    args = parser.parse_args(argv)
-    if args.convergence:
-        check_convergence_arguments(parser, args)
-        return args
-    if args.warmup <= START_POWERSGD_ITER:
-        parser.error(
-            f"--warmup must be > {START_POWERSGD_ITER} so that only compressed PowerSGD steps are timed"
-        )
-    if args.steps < 1 or args.block < 1 or args.world_size < 2:
-        parser.error("--steps and --block must be >= 1, --world-size >= 2")
-    try:
-        args.input_shape = [int(d) for d in args.input_shape.split(",")] if args.input_shape else None
-        args.hooks = [h.strip() for h in args.hooks.split(",") if h.strip()] if args.hooks else None
-        contenders_named(args.hooks)
-    except ValueError as error:
-        parser.error(str(error))
-    return args
+    return parser
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -65,23 +65,14 @@ def interleaved_timing(
             steps[name]()
     times: dict[str, list[float]] = {name: [] for name in names}
     rounds = math.ceil(timed_steps / block)
-    clock, cpu_clock = time.perf_counter, time.process_time
     for r in range(rounds):
         count = min(block, timed_steps - r * block)
         this_round: dict[str, list[float]] = {}
         for name in rotated(names, r):
-            step, hook = steps[name], (after_step or {}).get(name)
-            samples, cpu_samples, fault_samples = [], [], []
-            for _ in range(count):
-                faults_before = _minor_faults() if page_faults is not None else 0
-                cpu_started, started = cpu_clock(), clock()
-                step()
-                samples.append(clock() - started)
-                cpu_samples.append(cpu_clock() - cpu_started)
-                if page_faults is not None:
-                    fault_samples.append(_minor_faults() - faults_before)
-                if hook is not None:
-                    hook()
+            hook = (after_step or {}).get(name)
+            samples, cpu_samples, fault_samples = _timed_block(
+                steps[name], count, hook, page_faults is not None
+            )
             this_round[name] = samples
             times[name].extend(samples)
             if cpu_times is not None:
@@ -91,6 +82,27 @@ def interleaved_timing(
         if on_block is not None:
             on_block(r, rounds, {name: this_round[name] for name in names})
     return times
+
+
+def _timed_block(
+    step: Callable[[], None], count: int, after_step: Callable[[], None] | None, count_faults: bool
+) -> tuple[list[float], list[float], list[int]]:
+    """Run ``step`` ``count`` times: wall seconds, CPU seconds and minor page faults (if counted) of each."""
+    clock, cpu_clock = time.perf_counter, time.process_time
+    walls: list[float] = []
+    cpus: list[float] = []
+    faults: list[int] = []
+    for _ in range(count):
+        faults_before = _minor_faults() if count_faults else 0
+        cpu_started, started = cpu_clock(), clock()
+        step()
+        walls.append(clock() - started)
+        cpus.append(cpu_clock() - cpu_started)
+        if count_faults:
+            faults.append(_minor_faults() - faults_before)
+        if after_step is not None:
+            after_step()
+    return walls, cpus, faults
 
 
 def _minor_faults() -> int:

@@ -39,10 +39,10 @@ from lightning_ddpx.engine.reducer import CommHook, Phase, Reducer
 from lightning_ddpx.engine.replica_check import ReplicaReport, named_state, verify_replicas
 from lightning_ddpx.engine.shared_memory import local_obstacles
 from lightning_ddpx.engine.sparse import expects_sparse_gradients
+from lightning_ddpx.engine.static_graph import allow_late_static_graph
 from lightning_ddpx.engine.trainable_set import TrainableSet
-from lightning_ddpx.engine.transport import hook_name
 from lightning_ddpx.engine.unsupported_options import refuse_unsupported_arguments
-from lightning_ddpx.engine.usage_log import UsageLog, errors_logged, logging_data
+from lightning_ddpx.engine.usage_log import UsageLog, errors_logged, logged_options, logging_data
 
 __all__ = ["DistributedDataParallel", "NothingToSynchronise"]
 
@@ -134,21 +134,15 @@ class DistributedDataParallel(nn.Module, Joinable):
         Joinable.__init__(self)  # nn.Module does not chain __init__; the join config starts disabled
         self._join_divide_by_initial_world_size = True
         self._usage_log = UsageLog()  # torch's usage-logger surface (_get_ddp_logging_data)
-        # Options of whoever drives this module that change its collectives (the strategies' uneven_inputs,
-        # verify_replicas_every_n_steps...): compared across ranks with the module's own settings.
+        # The driver's options that change collectives (a strategy's uneven_inputs...), compared across ranks
         self.driver_settings: dict[str, str] = {}
-        _validate_arguments(module, bucket_cap_mb, first_bucket_cap_mb)
+        _check_arguments(module, bucket_cap_mb, first_bucket_cap_mb, check_reduction)
         refuse_unsupported_arguments(
-            delay_all_reduce_named_params=delay_all_reduce_named_params,
-            param_to_hook_all_reduce=param_to_hook_all_reduce,
-            mixed_precision=mixed_precision,
-            device_mesh=device_mesh,
+            delay_all_reduce_named_params=delay_all_reduce_named_params, mixed_precision=mixed_precision,
+            param_to_hook_all_reduce=param_to_hook_all_reduce, device_mesh=device_mesh,
             bucket_cap_mb_list=bucket_cap_mb_list,
-        )
-        _refuse_unusable_setup(check_reduction)
-        # gloo's workers may still be releasing this module's last collective when the script ends: wait for
-        # them at exit, or the process can abort (lightning_ddpx.engine.exit_threads).
-        register_exit_handler()
+        )  # fmt: skip
+        register_exit_handler()  # gloo may still be releasing the last collective at exit (engine.exit_threads)
         self.module = module
         # torch's ignore list (set with _set_params_and_buffers_to_ignore_for_model, or by Lightning's
         # LightningModule attribute): these parameters and buffers are neither checked, broadcast nor reduced.
@@ -167,10 +161,20 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.first_bucket_cap_mb, self.bucket_cap_mb = resolve_bucket_caps(bucket_cap_mb, first_bucket_cap_mb)
         self.require_backward_grad_sync = True
         self._sync_buffers_next_forward = True  # torch: only after a forward that synchronised
-        # The rank whose buffers every forward broadcasts. The strategies' uneven-inputs handling moves it off
-        # a rank that is only replaying (lightning_ddpx.lightning.uneven); inside join() the join protocol picks it.
+        # whose buffers each forward broadcasts: a strategy's uneven inputs or join() move it off a replaying rank
         self.buffer_source_rank = 0
+        self._place_and_sync(device_ids, output_device, dim, init_sync)
 
+    def _place_and_sync(
+        self,
+        device_ids: Sequence[DeviceLike] | None,
+        output_device: DeviceLike | None,
+        dim: int,
+        init_sync: bool,
+    ) -> None:
+        """Construction, once the options are set: the device and torch's placement arguments, the model
+        check and rank 0's broadcast (``init_sync``), the trainable parameters and the reducer."""
+        module = self.module
         named = self._synced_parameters()
         self.device = _single_device(named)
         placement = resolve_placement(device_ids, output_device, self.device)
@@ -182,7 +186,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         # without the check the reducer gathers them itself
         self._shared_memory_obstacles = self._initial_sync(named) if init_sync else None
         # requires_grad may change later: followed at each synchronising forward
-        self._trainable = TrainableSet(named, unused_allowed=find_unused_parameters)
+        self._trainable = TrainableSet(named, unused_allowed=self.find_unused_parameters)
         self._pending_layout: dict[str, Any] | None = None  # a loaded layout for parameters frozen now
         if not self._trainable.trainable():
             raise NothingToSynchronise(
@@ -286,31 +290,14 @@ class DistributedDataParallel(nn.Module, Joinable):
         Training code calls it after wrapping (e.g. with activation checkpointing); allowed only before the
         first synchronised backward. Called again, it warns and does nothing, as torch's does.
         """
-        if self.static_graph:
-            warnings.warn(
-                "lightning_ddpx.DistributedDataParallel: static_graph is already set (You've set static_graph "
-                "to be True, no need to set it again.).",
-                stacklevel=2,
-            )
-            return
-        # As torch: refused once a synchronising forward ran (ARMED: its backward would not record).
-        if self.reducer.iterations_synced > 0 or self.reducer.phase is not Phase.IDLE:
-            raise RuntimeError(
-                "lightning_ddpx.DistributedDataParallel: _set_static_graph() was called after "
-                f"{self.reducer.iterations_synced} synchronised iteration(s) (or after a synchronising forward); "
-                "the static graph is recorded in the first one. Call it right after wrapping, or pass static_graph=True to the constructor "
-                "(torch: set_static_graph() should be called before training loop starts and after "
-                "DistributedDataParallel is constructed.)"
-            )
-        self.static_graph = True
-        self.reducer.set_static_graph()
-        if self.find_unused_parameters:
-            warnings.warn(
-                "lightning_ddpx.DistributedDataParallel: with _set_static_graph(), find_unused_parameters=True "
-                "is not needed: the static graph finds unused parameters in its first iteration (they must "
-                "stay the same in every iteration).",
-                stacklevel=2,
-            )
+        if allow_late_static_graph(
+            self.static_graph,
+            self.reducer.iterations_synced,
+            self.reducer.phase is Phase.IDLE,
+            self.find_unused_parameters,
+        ):
+            self.static_graph = True
+            self.reducer.set_static_graph()
 
     # ------------------------------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -605,35 +592,15 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _get_ddp_logging_data(self) -> dict[str, int | str]:
         """torch's usage-logger dict, for the keys we fill truthfully (docs/engine.md lists them): the options,
         the parameters and buckets, the sampled iteration and the last error this module raised."""
-        return logging_data(
-            self._usage_log,
-            self.module,
-            [p for _, p in self._trainable.trainable()],
-            self.reducer.plan_history[0][1],
-            self.process_group,
-            self._logged_settings(),
-        )
+        params = [p for _, p in self._trainable.trainable()]
+        first_plan = self.reducer.plan_history[0][1]
+        options = logged_options(self)
+        return logging_data(self._usage_log, self.module, params, first_plan, self.process_group, options)
 
     @errors_logged
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
         """torch's check (an integer >= 1); the rate paces ``iteration`` as torch's, no timings are taken."""
         self._usage_log.set_sample_rate(sample_rate)
-
-    def _logged_settings(self) -> dict[str, int | str]:
-        settings: dict[str, int | str] = {
-            "device_ids": ", ".join(str(d) for d in self.device_ids or ()),
-            "output_device": -1 if self.output_device is None else int(self.output_device),
-            "broadcast_buffers": int(self.broadcast_buffers),
-            "bucket_cap_bytes": megabytes_to_bytes(self.bucket_cap_mb),
-            "find_unused_parameters": int(self.find_unused_parameters),
-            "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
-        }
-        if self.static_graph:
-            settings["static_graph"] = 1
-        if self._hook_registered:
-            hook = self.reducer.transport.hook
-            settings["comm_hook"] = getattr(hook, "__qualname__", None) or hook_name(hook)  # torch's field
-        return settings
 
     def _rebuilt_plan(self) -> list[BucketInfo] | None:
         return self.reducer.bucket_infos() if self.reducer.planner.rebuilt else None
@@ -736,7 +703,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         return self.reducer.stats.window.take()
 
 
-def _validate_arguments(module: Any, bucket_cap_mb: float | None, first_bucket_cap_mb: float | None) -> None:
+def _check_arguments(
+    module: Any, bucket_cap_mb: float | None, first_bucket_cap_mb: float | None, check_reduction: bool
+) -> None:
+    """The module and the caps are what they must be; torch's deprecated ``check_reduction`` warns; no
+    default process group is an error."""
     if not isinstance(module, nn.Module):
         raise TypeError(
             f"lightning_ddpx.DistributedDataParallel wraps an nn.Module, got {type(module).__name__}"
@@ -747,10 +718,6 @@ def _validate_arguments(module: Any, bucket_cap_mb: float | None, first_bucket_c
                 f"lightning_ddpx.DistributedDataParallel: {name} must be a positive number of MiB, got {value!r} "
                 "or None (torch's default: 25 MiB buckets after a 1 MiB first one)."
             )
-
-
-def _refuse_unusable_setup(check_reduction: bool) -> None:
-    """torch's deprecated ``check_reduction`` warns; no default process group is an error."""
     if check_reduction:
         warnings.warn(
             "lightning_ddpx.DistributedDataParallel: check_reduction is ignored (the reduction always "

@@ -11,9 +11,44 @@ a parameter is ready when its count is reached, and parameters unused on every r
 
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
-__all__ = ["StaticGraph"]
+__all__ = ["StaticGraph", "allow_late_static_graph"]
+
+
+def allow_late_static_graph(
+    already_static: bool, iterations_synced: int, idle: bool, find_unused_parameters: bool
+) -> bool:
+    """torch's checks for ``_set_static_graph()`` after wrapping: whether to make the module static now.
+
+    Called again it warns and changes nothing; once a synchronising forward ran it raises (that iteration
+    would not record: ``idle`` is false from the forward on); with ``find_unused_parameters`` it warns that
+    the flag is not needed, as torch's does.
+    """
+    if already_static:
+        warnings.warn(
+            "lightning_ddpx.DistributedDataParallel: static_graph is already set (You've set static_graph "
+            "to be True, no need to set it again.).",
+            stacklevel=4,  # the user's call (through errors_logged and the method)
+        )
+        return False
+    if iterations_synced > 0 or not idle:
+        raise RuntimeError(
+            "lightning_ddpx.DistributedDataParallel: _set_static_graph() was called after "
+            f"{iterations_synced} synchronised iteration(s) (or after a synchronising forward); "
+            "the static graph is recorded in the first one. Call it right after wrapping, or pass "
+            "static_graph=True to the constructor (torch: set_static_graph() should be called before training "
+            "loop starts and after DistributedDataParallel is constructed.)"
+        )
+    if find_unused_parameters:
+        warnings.warn(
+            "lightning_ddpx.DistributedDataParallel: with _set_static_graph(), find_unused_parameters=True "
+            "is not needed: the static graph finds unused parameters in its first iteration (they must "
+            "stay the same in every iteration).",
+            stacklevel=4,  # the user's call (through errors_logged and the method)
+        )
+    return True
 
 
 class StaticGraph:

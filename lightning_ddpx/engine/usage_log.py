@@ -16,6 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_ddpx.engine.bucketing import megabytes_to_bytes
+from lightning_ddpx.engine.transport import hook_name
+
 if TYPE_CHECKING:
     from lightning_ddpx.engine.bucketing import BucketInfo
 
@@ -125,6 +128,25 @@ def logging_data(
         data["has_error"] = 1
         data["error"] = log.error
     return data
+
+
+def logged_options(ddp: Any) -> dict[str, int | str]:
+    """A wrapped model's options in torch's logging form, read from its public attributes (torch logs
+    ``static_graph`` and ``comm_hook`` only when set; the hook by its ``__qualname__``, as torch)."""
+    options: dict[str, int | str] = {
+        "device_ids": ", ".join(str(d) for d in ddp.device_ids or ()),
+        "output_device": -1 if ddp.output_device is None else int(ddp.output_device),
+        "broadcast_buffers": int(ddp.broadcast_buffers),
+        "bucket_cap_bytes": megabytes_to_bytes(ddp.bucket_cap_mb),
+        "find_unused_parameters": int(ddp.find_unused_parameters),
+        "gradient_as_bucket_view": int(ddp.gradient_as_bucket_view),
+    }
+    if ddp.static_graph:
+        options["static_graph"] = 1
+    hook = ddp.comm_hook
+    if hook is not None:
+        options["comm_hook"] = getattr(hook, "__qualname__", None) or hook_name(hook)
+    return options
 
 
 def _joined(values: Iterator[object] | Sequence[object]) -> str:

@@ -331,14 +331,7 @@ class PowerSGDState:
                 f"{_STATE_DICT_VERSION}); it was written by another lightning-ddpx release."
             )
         options = self.options
-        saved = shared_in.get("options") if isinstance(shared_in, dict) else None
-        saved = saved if isinstance(saved, dict) else {}
-        # Which matrices are compressed, and so the memory's sizes, depends on these two options.
-        changed = [
-            f"{name}={saved.get(name)} (this state uses {getattr(options, name)})"
-            for name in ("matrix_approximation_rank", "min_compression_rate")
-            if saved.get(name) != getattr(options, name)
-        ]
+        changed = _memory_changing_options(shared_in, options)
         keep_memory = not changed
         check_state_dict(
             state_dict, options.matrix_approximation_rank, options.min_compression_rate,
@@ -350,31 +343,7 @@ class PowerSGDState:
                 "are reset.",
                 stacklevel=2,
             )
-        rng_state = shared_in["rng_state"].tolist()
-        rng = np.random.RandomState()
-        rng.set_state(
-            ("MT19937", np.array(rng_state[:624], dtype=np.uint32), rng_state[624], rng_state[625],
-             float(shared_in["rng_gauss"]))
-        )  # fmt: skip
-        stats = shared_in["stats"]
-        self.shared = SharedMemory(
-            iteration=int(shared_in["iteration"]),
-            rng=rng,
-            q={int(i): q.detach().clone() for i, q in shared_in["q"].items()} if keep_memory else {},
-            layout={int(i): tuple(int(v) for v in sig) for i, sig in shared_in["layout"].items()}
-            if keep_memory
-            else {},
-            names={int(i): tuple(str(n) for n in names) for i, names in shared_in.get("names", {}).items()}
-            if keep_memory
-            else {},
-            q_pool={str(n): q.detach().clone() for n, q in shared_in.get("q_pool", {}).items()}
-            if keep_memory
-            else {},
-            numel_before=int(stats["numel_before"]),
-            numel_after=int(stats["numel_after"]),
-            per_bucket={int(i): (int(c[0]), int(c[1])) for i, c in stats["per_bucket"].items()},
-            next_stats_report=int(stats["next_report"]),
-        )
+        self.shared = _restored_shared(shared_in, keep_memory)
         errors = rank_in.get("error", {}) if keep_memory else {}
         error_pool = rank_in.get("error_pool", {}) if keep_memory else {}
         self.per_rank = RankMemory(
@@ -385,3 +354,40 @@ class PowerSGDState:
 
     def __repr__(self) -> str:
         return f"PowerSGDState(iter={self.iter}, {self.options})"
+
+
+def _memory_changing_options(shared_in: Any, options: PowerSGDOptions) -> list[str]:
+    """The saved options, of those that decide which matrices are compressed (so the memory's sizes),
+    that differ from ``options``, each as ``name=saved (this state uses ...)``."""
+    saved = shared_in.get("options") if isinstance(shared_in, dict) else None
+    saved = saved if isinstance(saved, dict) else {}
+    return [
+        f"{name}={saved.get(name)} (this state uses {getattr(options, name)})"
+        for name in ("matrix_approximation_rank", "min_compression_rate")
+        if saved.get(name) != getattr(options, name)
+    ]
+
+
+def _restored_shared(shared_in: dict[str, Any], keep_memory: bool) -> SharedMemory:
+    """The shared part of a checked state dict, as this state holds it (without warm-start memory unless
+    ``keep_memory``); the seed generator continues exactly where the saved one stopped."""
+    rng_state = shared_in["rng_state"].tolist()
+    rng = np.random.RandomState()
+    rng.set_state(
+        ("MT19937", np.array(rng_state[:624], dtype=np.uint32), rng_state[624], rng_state[625],
+         float(shared_in["rng_gauss"]))
+    )  # fmt: skip
+    stats = shared_in["stats"]
+    memory = shared_in if keep_memory else {"q": {}, "layout": {}}
+    return SharedMemory(
+        iteration=int(shared_in["iteration"]),
+        rng=rng,
+        q={int(i): q.detach().clone() for i, q in memory["q"].items()},
+        layout={int(i): tuple(int(v) for v in sig) for i, sig in memory["layout"].items()},
+        names={int(i): tuple(str(n) for n in names) for i, names in memory.get("names", {}).items()},
+        q_pool={str(n): q.detach().clone() for n, q in memory.get("q_pool", {}).items()},
+        numel_before=int(stats["numel_before"]),
+        numel_after=int(stats["numel_after"]),
+        per_bucket={int(i): (int(c[0]), int(c[1])) for i, c in stats["per_bucket"].items()},
+        next_stats_report=int(stats["next_report"]),
+    )
