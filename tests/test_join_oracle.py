@@ -70,6 +70,26 @@ class SideInNoSync(nn.Module):
         return self.side(h) + h if dist.get_rank() == 0 and self.calls % 2 == 1 else h
 
 
+class OwnPerRank(nn.Module):
+    """``own`` and the buffer ``count_own`` are on torch's ignore list: each rank trains and keeps its own,
+    through join() and its final model sync, as with torch's DDP."""
+
+    IGNORED = ("own.weight", "own.bias", "count_own")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(16, 16)
+        self.own = nn.Linear(16, 16)
+        self.register_buffer("count_own", torch.zeros(3))
+        self.register_buffer("count_shared", torch.zeros(2))
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self, self.IGNORED)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count_own += (dist.get_rank() + 1) ** 2  # differs per rank whatever its step count
+        self.count_shared += dist.get_rank() + 1
+        return self.own(torch.tanh(self.shared(x)))
+
+
 def _loss(model: nn.Module, step: int, conv: bool) -> torch.Tensor:
     rank = dist.get_rank()
     shape = (4, 3, 8, 8) if conv else (8, 16)
@@ -106,6 +126,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "accumulate": 2,
     },
     "mlp_as_view": {"kwargs": {"gradient_as_bucket_view": True}},
+    "ignored_stay_each_ranks": {"build": OwnPerRank, "own": ("own.weight", "own.bias", "buffer:count_own")},
     "allreduce_hook": {"hook": ("allreduce", default_hooks.allreduce_hook)},
     "fp16_hook": {"hook": ("fp16", default_hooks.fp16_compress_hook), "tolerance": 1e-3},
     # large buckets between two ranks: summed through shared memory, or (shared memory off) by gloo
@@ -157,6 +178,7 @@ def run_against_torch(rank: int, world_size: int, names: list[str]) -> dict[str,
             "ours": _params(ours),
             "torch": _params(theirs),
             "tolerance": scenario.get("tolerance", 1e-6),
+            "own": scenario.get("own", ()),  # each rank's own: equal to torch's, not across ranks
         }
     return results
 
@@ -170,7 +192,10 @@ def _check_against_torch(results: list[dict[str, Any]]) -> None:
                     ours, result["torch"][key], rtol=tol, atol=tol,
                     msg=lambda m, name=name, key=key, rank=rank: f"{name}, rank {rank}, {key}: {m}",
                 )  # fmt: skip
-                torch.testing.assert_close(ours, results[0][name]["ours"][key], rtol=0, atol=0)
+                if key not in result["own"]:
+                    torch.testing.assert_close(ours, results[0][name]["ours"][key], rtol=0, atol=0)
+                elif rank > 0:
+                    assert not torch.equal(ours, results[0][name]["ours"][key]), f"{name}: {key} was synced"
 
 
 def test_join_matches_torch_two_ranks() -> None:
@@ -180,6 +205,7 @@ def test_join_matches_torch_two_ranks() -> None:
 def test_join_matches_torch_three_ranks_one_without_input() -> None:
     names = [
         "mlp",
+        "ignored_stay_each_ranks",
         "mlp_current_world_size",
         "conv_bn",
         "branches_unused",

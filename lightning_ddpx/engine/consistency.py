@@ -20,6 +20,7 @@ from lightning_ddpx._compat.torch import foreach_copy_
 
 __all__ = [
     "ParameterSignature",
+    "broadcast_from",
     "broadcast_from_rank0",
     "describe_setting_difference",
     "verify_same_parameters",
@@ -149,3 +150,19 @@ def _split_like(flat: torch.Tensor, like: Sequence[torch.Tensor]):
     for tensor in like:
         yield flat[offset : offset + tensor.numel()].view_as(tensor)
         offset += tensor.numel()
+
+
+@torch.no_grad()
+def broadcast_from(tensors: Sequence[torch.Tensor], process_group: dist.ProcessGroup, src: int) -> None:
+    """Overwrite ``tensors`` on every rank with group rank ``src``'s values, one collective per dtype."""
+    grouped: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
+    for tensor in tensors:
+        if tensor.numel():
+            grouped[(tensor.dtype, tensor.device)].append(tensor)
+    for group in grouped.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        dist.broadcast(flat, group=process_group, group_src=src)
+        offset = 0
+        for tensor in group:
+            tensor.detach().copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()

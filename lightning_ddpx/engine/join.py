@@ -21,16 +21,16 @@ have joined, the model of the last rank to join is broadcast to all (torch's ``_
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import JoinHook
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from lightning_ddpx._compat.torch import JoinConfig
 from lightning_ddpx.engine.buckets import param_views
+from lightning_ddpx.engine.consistency import broadcast_from
 from lightning_ddpx.engine.cuda_streams import current_stream, on_stream
 from lightning_ddpx.engine.diagnosis import bucket_checked
 from lightning_ddpx.engine.errors import waiting_for
@@ -42,7 +42,7 @@ from lightning_ddpx.engine.sparse import empty_sparse_like
 if TYPE_CHECKING:
     from lightning_ddpx.engine.module import DistributedDataParallel
 
-__all__ = ["DDPXJoinHook", "JoinRound", "announce", "broadcast_from", "shadow_reduction"]
+__all__ = ["DDPXJoinHook", "JoinRound", "JoinableModule", "announce", "shadow_reduction"]
 
 # Rows of the per-forward announcement; one column per rank.
 _ACTIVE, _SYNC, _VERIFY, _REBUILD, _BUFFERS, _BITMAP = range(6)
@@ -125,7 +125,7 @@ class DDPXJoinHook(JoinHook):
                 f"rank {round_.buffers_src}'s buffers before forward (shadowing a joined rank)",
                 module.process_group,
             ):
-                broadcast_from(list(module.module.buffers()), module.process_group, round_.buffers_src)
+                broadcast_from(module.synced_buffers.tensors(), module.process_group, round_.buffers_src)
         if round_.syncing:
             shadow_reduction(reducer, bitmap=round_.bitmap)
 
@@ -138,10 +138,90 @@ class DDPXJoinHook(JoinHook):
         with waiting_for("the last rank to join (end of join())", module.process_group):
             dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=module.process_group)
             src = int(candidate.item())
-            tensors = [p.detach() for p in module.module.parameters()]
+            # torch's ignore list: those parameters and buffers stay each rank's own, as in torch
+            tensors = [p.detach() for _, p in module.synced_parameters()]
             if module.broadcast_buffers:
-                tensors += list(module.module.buffers())
+                tensors += module.synced_buffers.tensors()
             broadcast_from(tensors, module.process_group, src)
+
+
+class JoinableModule(Joinable):
+    """torch's :class:`~torch.distributed.algorithms.join.Joinable` interface of
+    :class:`~lightning_ddpx.DistributedDataParallel`: ``join()``, the hook a joined rank runs, and what
+    each forward inside ``join()`` announces. The module provides what it reads: its ``reducer``,
+    ``device``, ``process_group``, ``world_size`` and ``_settings_verified``."""
+
+    reducer: Reducer
+    device: torch.device
+    process_group: dist.ProcessGroup
+    world_size: int
+    _settings_verified: bool
+    _join_divide_by_initial_world_size: bool
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """Train on uneven inputs: ``with model.join(): for batch in my_batches: ...`` (torch's semantics).
+
+        A rank that runs out of batches leaves the loop and, inside the context's exit, shadows the others'
+        collectives with zero gradients (through the registered hook, so PowerSGD's collectives match too)
+        until every rank has run out; then every rank takes the model of the last rank to finish.
+        Gradients are averaged over the initial world size, or, with ``divide_by_initial_world_size=False``,
+        over the ranks still training (default hook only: a registered hook divides as it always does,
+        as in torch). ``throw_on_early_termination=True`` raises on every rank at the first forward after
+        one rank ran out, instead. Equivalent to ``torch.distributed.algorithms.join.Join([model], ...)``;
+        collectives outside this module (e.g. SyncBatchNorm, all_gather in the loop) are not shadowed:
+        use ``throw_on_early_termination=True`` with those, as torch advises.
+        """
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook torch's ``Join`` runs on a rank that has joined (``divide_by_initial_world_size``)."""
+        return DDPXJoinHook(
+            self, divide_by_initial_world_size=kwargs.get("divide_by_initial_world_size", True)
+        )
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self.process_group
+
+    def _announce_to_joined_ranks(self, will_sync: bool, sync_buffers: bool) -> tuple[int, int]:
+        """Inside ``join()``: tell the context and any joined rank what this forward communicates.
+
+        Returns the ranks to rebuild buckets and broadcast buffers from: ranks that joined hold stale ones.
+        """
+        work = Join.notify_join_context(self)  # raises here with throw_on_early_termination=True
+        round_ = announce(
+            self,
+            active=True,
+            will_sync=will_sync,
+            will_verify=will_sync and not self._settings_verified and self.world_size > 1,
+            will_rebuild=will_sync and self.reducer.planner.rebuild_pending,
+            will_broadcast_buffers=sync_buffers,
+            will_share_bitmap=will_sync and self.reducer.shares_used_bitmap,
+        )
+        if work is not None:
+            work.wait()
+        divide_by_all = (
+            self._join_divide_by_initial_world_size or self._join_config.throw_on_early_termination
+        )
+        self.reducer.set_divisor(self.world_size if divide_by_all else len(round_.active))
+        return (
+            round_.rebuild_src if round_.rebuild_src is not None else 0,
+            round_.buffers_src if round_.buffers_src is not None else 0,
+        )
 
 
 def shadow_reduction(reducer: Reducer, bitmap: bool) -> None:
@@ -188,19 +268,3 @@ def shadow_reduction(reducer: Reducer, bitmap: bool) -> None:
                 used.wait()
     reducer.forwards_armed += 1
     reducer.reductions += 1
-
-
-@torch.no_grad()
-def broadcast_from(tensors: Sequence[torch.Tensor], process_group: dist.ProcessGroup, src: int) -> None:
-    """Overwrite ``tensors`` on every rank with group rank ``src``'s values, one collective per dtype."""
-    grouped: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
-    for tensor in tensors:
-        if tensor.numel():
-            grouped[(tensor.dtype, tensor.device)].append(tensor)
-    for group in grouped.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in group])
-        dist.broadcast(flat, group=process_group, group_src=src)
-        offset = 0
-        for tensor in group:
-            tensor.detach().copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-            offset += tensor.numel()

@@ -14,12 +14,11 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.algorithms.join import Joinable
 
 from lightning_ddpx._compat.torch import inputs_to_device
 from lightning_ddpx.engine.backend_support import check_bf16_hook
-from lightning_ddpx.engine.bucketing import BucketInfo, is_bucket_cap, megabytes_to_bytes, resolve_bucket_caps
-from lightning_ddpx.engine.comm_stats import CommStatsSummary, StepCommStats
+from lightning_ddpx.engine.bucketing import is_bucket_cap, megabytes_to_bytes, resolve_bucket_caps
 from lightning_ddpx.engine.consistency import (
     broadcast_from_rank0,
     verify_same_parameters,
@@ -28,21 +27,22 @@ from lightning_ddpx.engine.consistency import (
 from lightning_ddpx.engine.errors import waiting_for
 from lightning_ddpx.engine.exit_threads import register_exit_handler
 from lightning_ddpx.engine.hook_signature import check_comm_hook
-from lightning_ddpx.engine.join import DDPXJoinHook, announce, broadcast_from
+from lightning_ddpx.engine.join import JoinableModule
+from lightning_ddpx.engine.module_reports import ModuleReports
 from lightning_ddpx.engine.optim_in_backward import refuse_combination, registrations, take_over
 from lightning_ddpx.engine.optimizer_overlap import OptimizerOverlap
 from lightning_ddpx.engine.pickling import group_for_unpickling, state_to_pickle
 from lightning_ddpx.engine.placement import DeviceLike, resolve_placement, side_stream_copies
-from lightning_ddpx.engine.profiling import label
 from lightning_ddpx.engine.rank_settings import SETTING_OPTIONS, module_settings
 from lightning_ddpx.engine.reducer import CommHook, Phase, Reducer
 from lightning_ddpx.engine.replica_check import ReplicaReport, named_state, verify_replicas
 from lightning_ddpx.engine.shared_memory import local_obstacles
 from lightning_ddpx.engine.sparse import expects_sparse_gradients
 from lightning_ddpx.engine.static_graph import allow_late_static_graph
+from lightning_ddpx.engine.synced_buffers import SyncedBuffers
 from lightning_ddpx.engine.trainable_set import TrainableSet
 from lightning_ddpx.engine.unsupported_options import refuse_unsupported_arguments
-from lightning_ddpx.engine.usage_log import UsageLog, errors_logged, logged_options, logging_data
+from lightning_ddpx.engine.usage_log import UsageLog, errors_logged
 
 __all__ = ["DistributedDataParallel", "NothingToSynchronise"]
 
@@ -58,7 +58,7 @@ class NothingToSynchronise(RuntimeError, ValueError):
     lightning_ddpx ValueError; this is both."""
 
 
-class DistributedDataParallel(nn.Module, Joinable):
+class DistributedDataParallel(nn.Module, JoinableModule, ModuleReports):
     """Data parallelism over ``torch.distributed`` with our own bucketed, hook-driven gradient reducer.
 
     The arguments are torch's, in torch's order (see docs/engine.md for each one's meaning here).
@@ -147,7 +147,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         # torch's ignore list (set with _set_params_and_buffers_to_ignore_for_model, or by Lightning's
         # LightningModule attribute): these parameters and buffers are neither checked, broadcast nor reduced.
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-        self._buffer_slots = _buffer_slots(module, self.parameters_to_ignore)
+        self.synced_buffers = SyncedBuffers(module, self.parameters_to_ignore)
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
@@ -175,7 +175,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         """Construction, once the options are set: the device and torch's placement arguments, the model
         check and rank 0's broadcast (``init_sync``), the trainable parameters and the reducer."""
         module = self.module
-        named = self._synced_parameters()
+        named = self.synced_parameters()
         self.device = _single_device(named)
         placement = resolve_placement(device_ids, output_device, self.device)
         self.device_ids, self.output_device = placement.device_ids, placement.output_device
@@ -187,7 +187,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._shared_memory_obstacles = self._initial_sync(named) if init_sync else None
         # requires_grad may change later: followed at each synchronising forward
         self._trainable = TrainableSet(named, unused_allowed=self.find_unused_parameters)
-        self._pending_layout: dict[str, Any] | None = None  # a loaded layout for parameters frozen now
         if not self._trainable.trainable():
             raise NothingToSynchronise(
                 "lightning_ddpx.DistributedDataParallel: the module has no parameter with requires_grad=True, "
@@ -205,7 +204,9 @@ class DistributedDataParallel(nn.Module, Joinable):
                 named, self.process_group, self.device, local_obstacles(self.device.type == "cpu")
             )
         with waiting_for("rank 0's parameters and buffers (construction)", self.process_group):
-            broadcast_from_rank0([p.detach() for _, p in named] + self._synced_buffers(), self.process_group)
+            broadcast_from_rank0(
+                [p.detach() for _, p in named] + self.synced_buffers.tensors(), self.process_group
+            )
         return obstacles
 
     def _new_reducer(self) -> Reducer:
@@ -231,12 +232,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             usage_log=self._usage_log,
         )
 
-    def _synced_parameters(self) -> list[tuple[str, nn.Parameter]]:
+    def synced_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The module's parameters this module synchronises: all but those torch's ignore list names."""
         return [(n, p) for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore]
-
-    def _synced_buffers(self) -> list[torch.Tensor]:
-        return [b for b in (getattr(m, name) for m, name in self._buffer_slots) if b is not None]
 
     @staticmethod
     def _set_params_and_buffers_to_ignore_for_model(
@@ -326,34 +324,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._usage_log.on_sync_forward(self._rebuilt_plan)
         self.reducer.prepare_forward(will_sync, rebuild_src=rebuild_src)
         if sync_buffers:
-            self._broadcast_buffers(buffers_src)
+            self.synced_buffers.broadcast(self.process_group, buffers_src)
         return will_sync
-
-    def _announce_to_joined_ranks(self, will_sync: bool, sync_buffers: bool) -> tuple[int, int]:
-        """Inside ``join()``: tell the context and any joined rank what this forward communicates.
-
-        Returns the ranks to rebuild buckets and broadcast buffers from: ranks that joined hold stale ones.
-        """
-        work = Join.notify_join_context(self)  # raises here with throw_on_early_termination=True
-        round_ = announce(
-            self,
-            active=True,
-            will_sync=will_sync,
-            will_verify=will_sync and not self._settings_verified and self.world_size > 1,
-            will_rebuild=will_sync and self.reducer.planner.rebuild_pending,
-            will_broadcast_buffers=sync_buffers,
-            will_share_bitmap=will_sync and self.reducer.shares_used_bitmap,
-        )
-        if work is not None:
-            work.wait()
-        divide_by_all = (
-            self._join_divide_by_initial_world_size or self._join_config.throw_on_early_termination
-        )
-        self.reducer.set_divisor(self.world_size if divide_by_all else len(round_.active))
-        return (
-            round_.rebuild_src if round_.rebuild_src is not None else 0,
-            round_.buffers_src if round_.buffers_src is not None else 0,
-        )
 
     @torch.compiler.disable
     def _after_forward(self, output: Any, will_sync: bool) -> None:
@@ -362,21 +334,6 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.reducer.prepare_backward(output)
         else:
             self.reducer.disarm()
-
-    def _broadcast_buffers(self, src: int = 0) -> None:
-        # Looked up through the slots found at construction, as torch's DDP does, rather than walking every
-        # submodule each step (what that cost: docs/benchmarks.md, "Per-parameter cost");
-        # looking each up by name still follows a buffer replaced by assignment (e.g. module.to()).
-        buffers = self._synced_buffers()
-        if buffers:
-            with label("lightning_ddpx::broadcast_buffers"):
-                with waiting_for(
-                    f"rank {src}'s buffers before forward (broadcast_buffers=True)", self.process_group
-                ):
-                    if src == 0:
-                        broadcast_from_rank0(buffers, self.process_group)
-                    else:
-                        broadcast_from(buffers, self.process_group, src)
 
     def prepare_for_backward(self, outputs: Any) -> None:
         """Make the next backward synchronise, for a backward whose forward did not end in :meth:`forward`.
@@ -414,29 +371,14 @@ class DistributedDataParallel(nn.Module, Joinable):
         """Before a synchronised backward: if ``requires_grad`` changed on some parameter since the reducer was
         built, agree on the new set across ranks and reduce it from this backward on
         (:mod:`lightning_ddpx.engine.trainable_set`). Without a change: one pass over the flags, no collective."""
-        if not self._trainable.changed() or self.reducer.phase is Phase.REDUCING:
-            return
-        step = self.reducer.iterations_synced
-        if self._join_config.enable:
-            raise RuntimeError(
-                f"lightning_ddpx (rank {self.rank}): requires_grad changed on some parameter inside join() "
-                f"(before synchronised step {step + 1}); ranks that already joined cannot take part in re-planning "
-                "the buckets. Freeze or unfreeze parameters before entering join() (e.g. at the start of an "
-                "epoch), or outside the uneven-inputs loop."
+        if self._trainable.changed() and self.reducer.phase is not Phase.REDUCING:
+            self._trainable.adopt_change(
+                self.reducer,
+                self.module,
+                self.process_group,
+                self.device,
+                inside_join=self._join_config.enable,
             )
-        with waiting_for(
-            f"every rank to compare its trainable parameters (requires_grad changed before synchronised step "
-            f"{step + 1})",
-            self.process_group,
-        ):
-            trainable = self._trainable.agree(self.process_group, self.device, step)
-            params = [p for _, p in trainable]
-            self.reducer.adopt_params(
-                params, [name for name, _ in trainable], expects_sparse_gradients(self.module, params)
-            )
-        layout, self._pending_layout = self._pending_layout, None
-        if layout is not None and set(layout["parameter_order"]) == {name for name, _ in trainable}:
-            self.reducer.load_order_state(layout)  # a saved layout waiting for these parameters
 
     def verify_replicas(
         self,
@@ -463,7 +405,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "with the buckets'. Call it between iterations, on every rank."
             )
         named = named_state(  # torch's ignore list: those differ across ranks on purpose
-            self._synced_parameters(),
+            self.synced_parameters(),
             [(n, b) for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
             if buffers
             else (),
@@ -521,46 +463,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         finally:
             self.require_backward_grad_sync = previous
 
-    # ---------------------------------------------------------------------------------- uneven inputs
-    def join(
-        self,
-        divide_by_initial_world_size: bool = True,
-        enable: bool = True,
-        throw_on_early_termination: bool = False,
-    ) -> Join:
-        """Train on uneven inputs: ``with model.join(): for batch in my_batches: ...`` (torch's semantics).
-
-        A rank that runs out of batches leaves the loop and, inside the context's exit, shadows the others'
-        collectives with zero gradients (through the registered hook, so PowerSGD's collectives match too)
-        until every rank has run out; then every rank takes the model of the last rank to finish.
-        Gradients are averaged over the initial world size, or, with ``divide_by_initial_world_size=False``,
-        over the ranks still training (default hook only: a registered hook divides as it always does,
-        as in torch). ``throw_on_early_termination=True`` raises on every rank at the first forward after
-        one rank ran out, instead. Equivalent to ``torch.distributed.algorithms.join.Join([model], ...)``;
-        collectives outside this module (e.g. SyncBatchNorm, all_gather in the loop) are not shadowed:
-        use ``throw_on_early_termination=True`` with those, as torch advises.
-        """
-        return Join(
-            [self],
-            enable,
-            throw_on_early_termination,
-            divide_by_initial_world_size=divide_by_initial_world_size,
-        )
-
-    def join_hook(self, **kwargs: Any) -> JoinHook:
-        """The hook torch's ``Join`` runs on a rank that has joined (``divide_by_initial_world_size``)."""
-        return DDPXJoinHook(
-            self, divide_by_initial_world_size=kwargs.get("divide_by_initial_world_size", True)
-        )
-
-    @property
-    def join_device(self) -> torch.device:
-        return self.device
-
-    @property
-    def join_process_group(self) -> dist.ProcessGroup:
-        return self.process_group
-
     # ------------------------------------------------------------------------------------- comm hooks
     @errors_logged
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
@@ -588,36 +490,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.reducer.register_comm_hook(state, hook)
         self._hook_registered = True
 
-    # ------------------------------------------------------------------------ torch's usage logger
-    def _get_ddp_logging_data(self) -> dict[str, int | str]:
-        """torch's usage-logger dict, for the keys we fill truthfully (docs/engine.md lists them): the options,
-        the parameters and buckets, the sampled iteration and the last error this module raised."""
-        params = [p for _, p in self._trainable.trainable()]
-        first_plan = self.reducer.plan_history[0][1]
-        options = logged_options(self)
-        return logging_data(self._usage_log, self.module, params, first_plan, self.process_group, options)
-
-    @errors_logged
-    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
-        """torch's check (an integer >= 1); the rate paces ``iteration`` as torch's, no timings are taken."""
-        self._usage_log.set_sample_rate(sample_rate)
-
-    def _rebuilt_plan(self) -> list[BucketInfo] | None:
-        return self.reducer.bucket_infos() if self.reducer.planner.rebuilt else None
-
-    @property
-    def synchronised_steps(self) -> int:
-        """How many backward passes have synchronised gradients so far (``no_sync`` ones do not count)."""
-        return self.reducer.iterations_synced
-
-    @property
-    def comm_hook(self) -> CommHook | None:
-        return self.reducer.transport.hook if self._hook_registered else None
-
-    @property
-    def comm_hook_state(self) -> Any:
-        return self.reducer.transport.state if self._hook_registered else None
-
     # ------------------------------------------------------------------------------ optimizer overlap
     def overlap_optimizer_with(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Step ``optimizer`` inside each synchronised backward, bucket by bucket, as gradients arrive.
@@ -640,27 +512,6 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.reducer.overlap.close()
         self.reducer.set_overlap(None if optimizer is None else OptimizerOverlap(optimizer, self.reducer))
 
-    @property
-    def overlapped_optimizer(self) -> torch.optim.Optimizer | None:
-        """The optimizer given to :meth:`overlap_optimizer_with`, or ``None``."""
-        overlap = self.reducer.overlap
-        return overlap.optimizer if overlap is not None else None
-
-    @property
-    def optimizer_stepped_in_backward(self) -> bool:
-        """Whether the last synchronised backward stepped the overlapped optimizer (until the next forward)."""
-        overlap = self.reducer.overlap
-        return overlap is not None and overlap.stepped
-
-    # ---------------------------------------------------------------------------------- introspection
-    def reducer_state_dict(self) -> dict[str, Any]:
-        """The bucket layout (parameter names in buffer order), plain values only, for checkpoints.
-
-        Hooks with state (PowerSGD) key their memory by bucket; restoring the layout before the first
-        resumed step lets that memory apply exactly, so a resumed run continues bit for bit.
-        """
-        return self.reducer.order_state()
-
     def load_reducer_state_dict(self, state: dict[str, Any]) -> None:
         """Adopt a layout saved by :meth:`reducer_state_dict` (same parameters; every rank the same state).
 
@@ -669,38 +520,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         parameters that are frozen now is kept and adopted when exactly its parameters are trainable (at the
         forward that notices the change), so the resumed run reduces the saved buckets."""
         self._follow_trainable_changes()
-        names = set(state["parameter_order"])
-        trainable = {name for name, _ in self._trainable.trainable()}
-        if names != trainable and names <= {name for name, _ in self._trainable.named}:
-            self._pending_layout = state  # frozen now: wait until they are trainable
-            return
-        self.reducer.load_order_state(state)
-
-    def bucket_plan(self) -> list[BucketInfo]:
-        """The current buckets in launch order: index, bytes, dtype, device and parameter names."""
-        return self.reducer.bucket_infos()
-
-    def bucket_plan_history(self) -> list[tuple[int, list[BucketInfo]]]:
-        """Every bucket plan this module used, as ``(synchronised iterations before it, plan)``.
-
-        The first entry is the construction-time plan (torch's: one bucket per dtype unless
-        ``find_unused_parameters``); a second one appears when buckets were rebuilt from the observed gradient
-        order (after the first iteration; the second with ``static_graph``), or when a checkpoint's layout
-        was loaded.
-        """
-        return list(self.reducer.plan_history)
-
-    def comm_stats(self) -> StepCommStats | None:
-        """Communication of the last synchronised step on this rank (``None`` before the first).
-
-        Bytes handed to the hook, bytes its collectives sent (if the hook reports them, as every built-in
-        hook does), time inside hook calls and exposed communication; see :mod:`lightning_ddpx.engine.comm_stats`.
-        """
-        return self.reducer.stats.last
-
-    def take_comm_stats(self) -> CommStatsSummary | None:
-        """Per-step means since the previous call (``None`` if no step synchronised since); starts anew."""
-        return self.reducer.stats.window.take()
+        if not self._trainable.keeps_layout_for_later(state):
+            self.reducer.load_order_state(state)
 
 
 def _check_arguments(
@@ -777,17 +598,3 @@ def _check_sync_batchnorm(module: nn.Module, device: torch.device) -> None:
                 "for GPUs only, but the module is on the CPU (torch's DDP refuses this too). Train on GPUs, or "
                 "use plain BatchNorm on the CPU (Trainer(sync_batchnorm=False))."
             )
-
-
-def _buffer_slots(module: nn.Module, ignored: set[str]) -> list[tuple[nn.Module, str]]:
-    """(submodule, name) of each buffer of ``module``, each tensor once, in ``module.buffers()`` order,
-    less those whose fully qualified name (its first, as ``named_buffers()`` gives it) is ``ignored``."""
-    slots, seen = [], set()
-    for prefix, submodule in module.named_modules():
-        for name, buffer in submodule.named_buffers(recurse=False):
-            if id(buffer) not in seen:
-                seen.add(id(buffer))
-                fqn = f"{prefix}.{name}" if prefix else name
-                if fqn not in ignored:
-                    slots.append((submodule, name))
-    return slots

@@ -19,11 +19,17 @@ from __future__ import annotations
 
 import logging
 from operator import attrgetter
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from lightning_ddpx.engine.errors import waiting_for
+from lightning_ddpx.engine.sparse import expects_sparse_gradients
+
+if TYPE_CHECKING:
+    from lightning_ddpx.engine.reducer import Reducer
 
 __all__ = ["TrainableSet"]
 
@@ -42,6 +48,7 @@ class TrainableSet:
         # left alone when no rank used it), so freezing alone needs no new plan; only newcomers do. That keeps
         # toggle_optimizer (GAN-style manual optimisation, which flips requires_grad every step) cheap.
         self.unused_allowed = unused_allowed
+        self.pending_layout: dict[str, Any] | None = None  # a loaded layout for parameters frozen now
 
     def _current(self) -> bytes:
         return bytes(map(_requires_grad, self._params))  # once per synchronising forward: C-level loop
@@ -82,6 +89,47 @@ class TrainableSet:
             "lightning_ddpx: requires_grad changed before step %d: %s", step + 1, self._describe(old, current)
         )
         return self.trainable()
+
+    def adopt_change(
+        self,
+        reducer: Reducer,
+        module: nn.Module,
+        process_group: dist.ProcessGroup,
+        device: torch.device,
+        inside_join: bool,
+    ) -> None:
+        """Collective, after :meth:`changed`: the ranks agree on the new set (:meth:`agree`) and ``reducer``
+        reduces it from this backward on; a saved layout kept for these parameters is installed."""
+        step, rank = reducer.iterations_synced, dist.get_rank(process_group)
+        if inside_join:
+            raise RuntimeError(
+                f"lightning_ddpx (rank {rank}): requires_grad changed on some parameter inside join() "
+                f"(before synchronised step {step + 1}); ranks that already joined cannot take part in re-planning "
+                "the buckets. Freeze or unfreeze parameters before entering join() (e.g. at the start of an "
+                "epoch), or outside the uneven-inputs loop."
+            )
+        with waiting_for(
+            f"every rank to compare its trainable parameters (requires_grad changed before synchronised step "
+            f"{step + 1})",
+            process_group,
+        ):
+            trainable = self.agree(process_group, device, step)
+            params = [p for _, p in trainable]
+            names = [name for name, _ in trainable]
+            reducer.adopt_params(params, names, expects_sparse_gradients(module, params))
+        layout, self.pending_layout = self.pending_layout, None
+        if layout is not None and set(layout["parameter_order"]) == set(names):
+            reducer.load_order_state(layout)  # a saved layout waiting for these parameters
+
+    def keeps_layout_for_later(self, state: dict[str, Any]) -> bool:
+        """Whether a saved bucket layout names parameters that are frozen now: then it is kept, and installed
+        when exactly its parameters are trainable (:meth:`adopt_change`)."""
+        names = set(state["parameter_order"])
+        trainable = {name for name, _ in self.trainable()}
+        if names != trainable and names <= {name for name, _ in self.named}:
+            self.pending_layout = state
+            return True
+        return False
 
     def _describe(self, old: bytes, new: bytes) -> str:
         joined = [name for (name, _), a, b in zip(self.named, old, new) if b and not a]
