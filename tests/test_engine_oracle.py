@@ -144,6 +144,18 @@ def dropping_loss(model: nn.Module, step: int) -> torch.Tensor:
     return mlp_loss(model, step)
 
 
+def peeking_loss(model: nn.Module, step: int) -> torch.Tensor:
+    """Between the training forward and its backward, a forward with gradients disabled (a metric, an EMA)
+    and, every other step, one inside no_sync(): neither cancels the training forward's synchronisation."""
+    loss = mlp_loss(model, step)
+    with torch.no_grad():
+        mlp_loss(model, step + 1000)
+    if step % 2:
+        with model.no_sync():
+            mlp_loss(model, step + 2000)
+    return loss
+
+
 # ------------------------------------------------------------------------------------------ workers
 SCENARIOS = {
     "mlp": (mlp, mlp_loss, SMALL_BUCKETS, {}),
@@ -166,6 +178,10 @@ SCENARIOS = {
         UserGradHooks, user_hooked_loss,
         {**SMALL_BUCKETS, "gradient_as_bucket_view": True}, {"gradient_as_bucket_view": True},
     ),
+    "peek_between_forward_and_backward": (mlp, peeking_loss, SMALL_BUCKETS, {}),
+    "peek_between_forward_and_backward_unused": (
+        Branches, peeking_loss, {**SMALL_BUCKETS, "find_unused_parameters": True}, {"find_unused_parameters": True},
+    ),
     "user_drops_grads": (UserGradHooks, dropping_loss, {}, {}),
     "user_drops_grads_small_buckets": (UserGradHooks, dropping_loss, SMALL_BUCKETS, {}),
     "user_drops_grads_as_view": (
@@ -187,7 +203,9 @@ def test_matches_torch_ddp_two_ranks(name: str) -> None:
         torch.testing.assert_close(value, results[1]["params"][param_name], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", ["mlp", "branches", "conv_bn", "wide", "user_grad_hooks"])
+@pytest.mark.parametrize(
+    "name", ["mlp", "branches", "conv_bn", "wide", "user_grad_hooks", "peek_between_forward_and_backward"]
+)
 def test_matches_torch_ddp_three_ranks(name: str) -> None:
     run_distributed(run_scenario, 3, name)
 

@@ -329,11 +329,11 @@ class DistributedDataParallel(nn.Module, JoinableModule, ModuleReports):
 
     @torch.compiler.disable
     def _after_forward(self, output: Any, will_sync: bool) -> None:
+        # A forward that does not synchronise (grad disabled, no_sync) leaves an armed reducer armed, as
+        # torch's does: the backward of the synchronising forward before it still averages.
         self._sync_buffers_next_forward = will_sync
         if will_sync:
             self.reducer.prepare_backward(output)
-        else:
-            self.reducer.disarm()
 
     def prepare_for_backward(self, outputs: Any) -> None:
         """Make the next backward synchronise, for a backward whose forward did not end in :meth:`forward`.

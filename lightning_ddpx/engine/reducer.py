@@ -41,7 +41,7 @@ from lightning_ddpx.engine.grad_bucket import GradBucket, payload_bytes
 from lightning_ddpx.engine.graph import reachable_parameter_indices
 from lightning_ddpx.engine.profiling import label
 from lightning_ddpx.engine.results_in_order import ResultsInOrder
-from lightning_ddpx.engine.sparse import sparse_refusal
+from lightning_ddpx.engine.sparse import refuse_dense_only_hook
 from lightning_ddpx.engine.static_graph import StaticGraph
 from lightning_ddpx.engine.transport import (
     CommHook,
@@ -90,9 +90,7 @@ class Reducer:
         # every rank's shared-memory obstacles, when a collective at construction already carried them
         self._obstacles = None if shared_memory_obstacles is None else list(shared_memory_obstacles)
         self.transport: Transport = self._default_transport()
-        self.overlap: Any = (
-            None  # engine.optimizer_overlap, through set_overlap: the bucket plan depends on it
-        )
+        self.overlap: Any = None  # engine.optimizer_overlap (set_overlap): it shapes the bucket plan
         self.in_backward: Any = None  # engine.optim_in_backward: torch's optimizers in backward, taken over
         self.stats = CommStatsRecorder()
         self.progress = ProgressBoard(process_group)  # what this rank last started, for hang reports
@@ -182,10 +180,7 @@ class Reducer:
 
     # ------------------------------------------------------------------------------------ transport
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
-        sparse = [name for name, flag in zip(self.names, self.sparse_gradients) if flag]
-        refusal = sparse_refusal(hook) if sparse else None
-        if refusal is not None:
-            raise ValueError(messages.sparse_hook_refusal(hook_name(hook), refusal, sparse))
+        refuse_dense_only_hook(hook, hook_name(hook), self.names, self.sparse_gradients)
         device = self.params[0].device if self.params else None
         self.use_transport(Transport(hook, state, device))
 
@@ -254,11 +249,6 @@ class Reducer:
     def allow_local_backward(self) -> None:
         """``no_sync()`` was entered: backward passes until the next forward accumulate locally, on purpose."""
         self.synced_since_forward = False
-
-    def disarm(self) -> None:
-        """A forward that will not synchronise (``no_sync`` or grad disabled) cancels a pending one."""
-        if self.phase is Phase.ARMED:
-            self.phase = Phase.IDLE
 
     # ------------------------------------------------------------------------------------- backward
     def _make_grad_hook(self, index: int) -> PostHook:

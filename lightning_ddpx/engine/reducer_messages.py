@@ -7,7 +7,6 @@ from typing import Sequence
 __all__ = [
     "backward_after_sync",
     "ready_twice",
-    "sparse_hook_refusal",
     "unfinished_reduction",
     "unused_parameters",
 ]
@@ -55,13 +54,4 @@ def unfinished_reduction(unlaunched: Sequence[int]) -> str:
         "lightning_ddpx: the previous backward started synchronising gradients but never finished "
         f"(buckets not launched: {list(unlaunched)}). This happens when backward raised or was "
         "interrupted. Ranks may now be out of step; restart from a checkpoint."
-    )
-
-
-def sparse_hook_refusal(hook_name: str, refusal: str, sparse_names: Sequence[str]) -> str:
-    return (
-        f"lightning_ddpx: the communication hook {hook_name} cannot reduce sparse gradients "
-        f"({refusal}), and parameter(s) {list(sparse_names)} produce them (nn.Embedding/nn.EmbeddingBag with "
-        "sparse=True). Register no hook (the default averages sparse gradients with a sparse "
-        "all-reduce) or the allreduce hook, or build those layers with sparse=False."
     )

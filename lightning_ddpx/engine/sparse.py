@@ -19,7 +19,13 @@ from typing import Callable, Sequence, TypeVar
 import torch
 from torch import nn
 
-__all__ = ["dense_buckets_only", "empty_sparse_like", "expects_sparse_gradients", "sparse_refusal"]
+__all__ = [
+    "dense_buckets_only",
+    "empty_sparse_like",
+    "expects_sparse_gradients",
+    "refuse_dense_only_hook",
+    "sparse_refusal",
+]
 
 HookT = TypeVar("HookT", bound=Callable)
 
@@ -53,6 +59,22 @@ def sparse_refusal(hook: Callable) -> str | None:
     if hook in _torch_dense_hooks() or "compress_wrapper" in name:
         return "it compresses dense buffers (torch's hook fails, or returns wrong values, on a sparse tensor)"
     return None
+
+
+def refuse_dense_only_hook(
+    hook: Callable, hook_name: str, names: Sequence[str], sparse: Sequence[bool]
+) -> None:
+    """``ValueError`` if ``hook`` (named ``hook_name``) cannot reduce sparse gradients and some of the
+    parameters ``names`` produce them (``sparse``)."""
+    sparse_names = [name for name, flag in zip(names, sparse) if flag]
+    refusal = sparse_refusal(hook) if sparse_names else None
+    if refusal is not None:
+        raise ValueError(
+            f"lightning_ddpx: the communication hook {hook_name} cannot reduce sparse gradients "
+            f"({refusal}), and parameter(s) {sparse_names} produce them (nn.Embedding/nn.EmbeddingBag with "
+            "sparse=True). Register no hook (the default averages sparse gradients with a sparse "
+            "all-reduce) or the allreduce hook, or build those layers with sparse=False."
+        )
 
 
 @functools.lru_cache(maxsize=1)
