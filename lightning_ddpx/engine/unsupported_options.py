@@ -3,7 +3,8 @@
 torch 2.13's ``DistributedDataParallel`` takes a few arguments for features this engine does not implement.
 They are in our signature so that code passing them explicitly at torch's default (``None``) runs unchanged;
 any other value raises before any work, naming the argument and what to use instead, rather than being
-silently ignored (which would train differently from what was asked).
+silently ignored (which would train differently from what was asked). The strategies refuse them with the
+same reasons (:data:`lightning_ddpx.lightning.ddp_kwargs.REFUSED`).
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ __all__ = ["UNSUPPORTED_TORCH_ARGUMENTS", "refuse_unsupported_arguments"]
 UNSUPPORTED_TORCH_ARGUMENTS: dict[str, str] = {
     "delay_all_reduce_named_params": (
         "every trainable parameter is reduced in the buckets; torch's separate, delayed all-reduce of named "
-        "parameters is not implemented. Leave it None (the gradients are the same, only their timing "
-        "differs), or set requires_grad=False on parameters you reduce yourself."
+        "parameters is not implemented. Remove it or leave it None (the gradients are the same, only their "
+        "timing differs), or set requires_grad=False on parameters you reduce yourself."
     ),
     "param_to_hook_all_reduce": (
-        "it only applies together with delay_all_reduce_named_params, which is not implemented. Leave it None."
+        "it only applies together with delay_all_reduce_named_params, which is not implemented. Remove it or "
+        "leave it None."
     ),
     "mixed_precision": (
         "torch's private _MixedPrecision config is not supported. Use torch.autocast (Lightning: "
@@ -31,8 +33,8 @@ UNSUPPORTED_TORCH_ARGUMENTS: dict[str, str] = {
         "device_mesh.get_group())."
     ),
     "bucket_cap_mb_list": (
-        "per-bucket caps are not supported. Use bucket_cap_mb (every bucket) and first_bucket_cap_mb (the "
-        "first one)."
+        "per-bucket caps are not supported. Use first_bucket_cap_mb (the first bucket) and bucket_cap_mb "
+        "(every other bucket)."
     ),
 }
 

@@ -20,6 +20,8 @@ import importlib
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
+from lightning_ddpx.engine.unsupported_options import UNSUPPORTED_TORCH_ARGUMENTS
+
 if TYPE_CHECKING:
     from lightning_ddpx.lightning.config import DDPXConfig
 
@@ -70,32 +72,17 @@ REFUSED: dict[str, tuple[Any, str]] = {
         "callable comm_hook with comm_state=<your group>, or wrap the module yourself in "
         "lightning_ddpx.DistributedDataParallel(module, process_group=...).",
     ),
-    "delay_all_reduce_named_params": (
-        None,
-        "lightning_ddpx reduces every trainable parameter in its buckets; a delayed separate allreduce is "
-        "not implemented. Remove it (the gradients are the same; only the overlap differs), or set "
-        "requires_grad=False on parameters you reduce yourself.",
-    ),
-    "param_to_hook_all_reduce": (
-        None,
-        "it only applies together with delay_all_reduce_named_params, which lightning_ddpx does not "
-        "implement. Remove both.",
-    ),
-    "mixed_precision": (
-        None,
-        "torch's private _MixedPrecision config is not supported. Use Trainer(precision='bf16-mixed') or "
-        "'16-mixed' for mixed-precision compute, and comm_wrapper='bf16'/'fp16' to compress communication.",
-    ),
     "device_mesh": (
         None,
         "lightning_ddpx replicates over one process group, not a device mesh. Remove device_mesh; the "
         "strategy uses the world group.",
     ),
-    "bucket_cap_mb_list": (
-        None,
-        "per-bucket caps are not supported. Use first_bucket_cap_mb (the first bucket) and bucket_cap_mb "
-        "(every other bucket).",
-    ),
+    # torch's arguments for features the engine does not implement: the engine's own reasons
+    **{
+        name: (None, why)
+        for name, why in UNSUPPORTED_TORCH_ARGUMENTS.items()
+        if name != "device_mesh"  # the engine says to pass process_group=, which the strategies refuse
+    },
 }
 
 _DEPRECATED_NO_OP = {
