@@ -38,3 +38,16 @@ def test_a_parameter_without_gradients_has_no_accumulator() -> None:
         gradient_accumulator(torch.ones(2))
     with torch.no_grad():  # built with grad mode off too (e.g. wrapping inside torch.no_grad())
         assert gradient_accumulator(torch.nn.Parameter(torch.ones(2))) is not None
+
+
+def test_any_will_run_tells_a_backward_from_autograd_grad_of_the_inputs() -> None:
+    weight = torch.nn.Parameter(torch.ones(3))
+    hooks = AccumulatorHooks([weight], lambda i: lambda _outputs, _inputs: None)
+    x = torch.ones(3, requires_grad=True)
+    seen: list[bool] = []
+    out = (x * weight).sum()
+    out.grad_fn.register_prehook(lambda grad_outputs: seen.append(hooks.any_will_run()))
+    torch.autograd.grad(out, x, retain_graph=True)  # a gradient penalty's: weight.grad stays untouched
+    out.backward()
+    assert seen == [False, True]
+    hooks.remove()

@@ -156,6 +156,16 @@ def peeking_loss(model: nn.Module, step: int) -> torch.Tensor:
     return loss
 
 
+def penalised_loss(model: nn.Module, step: int) -> torch.Tensor:
+    """A gradient penalty (WGAN-GP, R1): torch.autograd.grad of the output with respect to the *inputs*
+    runs part of the backward before the real one; it must not start or end the reduction."""
+    rank = dist.get_rank()
+    x = rank_batch(rank, step, (8, 16)).requires_grad_()
+    out = model(x)
+    (grad_x,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    return out.pow(2).mean() * (rank + 1) + (grad_x.norm(dim=1) - 1).pow(2).mean()
+
+
 # ------------------------------------------------------------------------------------------ workers
 SCENARIOS = {
     "mlp": (mlp, mlp_loss, SMALL_BUCKETS, {}),
@@ -182,6 +192,10 @@ SCENARIOS = {
     "peek_between_forward_and_backward_unused": (
         Branches, peeking_loss, {**SMALL_BUCKETS, "find_unused_parameters": True}, {"find_unused_parameters": True},
     ),
+    "gradient_penalty": (mlp, penalised_loss, SMALL_BUCKETS, {}),
+    "gradient_penalty_unused": (
+        Branches, penalised_loss, {**SMALL_BUCKETS, "find_unused_parameters": True}, {"find_unused_parameters": True},
+    ),
     "user_drops_grads": (UserGradHooks, dropping_loss, {}, {}),
     "user_drops_grads_small_buckets": (UserGradHooks, dropping_loss, SMALL_BUCKETS, {}),
     "user_drops_grads_as_view": (
@@ -204,7 +218,16 @@ def test_matches_torch_ddp_two_ranks(name: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["mlp", "branches", "conv_bn", "wide", "user_grad_hooks", "peek_between_forward_and_backward"]
+    "name",
+    [
+        "mlp",
+        "branches",
+        "conv_bn",
+        "wide",
+        "user_grad_hooks",
+        "peek_between_forward_and_backward",
+        "gradient_penalty",
+    ],
 )
 def test_matches_torch_ddp_three_ranks(name: str) -> None:
     run_distributed(run_scenario, 3, name)

@@ -82,7 +82,9 @@ class OwnPerRank(nn.Module):
         self.own = nn.Linear(16, 16)
         self.register_buffer("count_own", torch.zeros(3))
         self.register_buffer("count_shared", torch.zeros(2))
-        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self, self.IGNORED)
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            self, self.IGNORED
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.count_own += (dist.get_rank() + 1) ** 2  # differs per rank whatever its step count

@@ -39,6 +39,7 @@ __all__ = [
     "rank_not_in_group",
     "sparse_nnz_bytes",
     "tracing_context",
+    "will_engine_execute_node",
 ]
 
 # ---------------------------------------------------------------------------------------------- futures
@@ -53,6 +54,11 @@ AnyFuture: type = torch._C.Future
 queue_backward_callback: Callable[[Callable[[], None]], None] = (
     torch.autograd.Variable._execution_engine.queue_callback
 )
+
+# During a backward: whether the running graph task will execute an autograd node. ``torch.autograd.grad``
+# of some inputs runs only the nodes leading to them, never a parameter's gradient accumulator; torch's own
+# ``register_multi_grad_hook`` asks the same question. torch >= 2.0.
+will_engine_execute_node: Callable[[Any], bool] = torch._C._will_engine_execute_node
 
 # Whether the autograd profiler is recording: record_function labels cost a few microseconds each, so we
 # only create them while someone is looking. torch >= 1.0.

@@ -16,6 +16,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from lightning_ddpx._compat.torch import will_engine_execute_node
+
 __all__ = ["AccumulatorHooks", "PostHook", "gradient_accumulator"]
 
 
@@ -42,6 +44,11 @@ class AccumulatorHooks:
     def __init__(self, params: Sequence[torch.Tensor], make_hook: Callable[[int], PostHook]) -> None:
         self._accumulators = [gradient_accumulator(p) for p in params]
         self._handles = [node.register_hook(make_hook(i)) for i, node in enumerate(self._accumulators)]
+
+    def any_will_run(self) -> bool:
+        """During a backward: whether it accumulates into any of the parameters (``loss.backward()`` does;
+        ``torch.autograd.grad`` of the inputs, as a gradient penalty computes, does not)."""
+        return any(will_engine_execute_node(node) for node in self._accumulators)
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from lightning_ddpx._compat.torch import queue_backward_callback
 from lightning_ddpx.engine import reducer_messages as messages
 from lightning_ddpx.engine.accumulator_hooks import AccumulatorHooks, PostHook
-from lightning_ddpx.engine.backward_start import attach_backward_start
+from lightning_ddpx.engine.backward_start import BackwardStart
 from lightning_ddpx.engine.bucket_plan import BucketPlanner
 from lightning_ddpx.engine.bucket_results import wait_result
 from lightning_ddpx.engine.bucketing import BucketInfo
@@ -102,7 +102,7 @@ class Reducer:
         # arriving then comes from a second backward of the same forward, which would stay local.
         self.synced_since_forward = False
         self._forward_unused: set[int] = set()
-        self._start_hooks: list[Any] = []  # pre-hooks on the last synchronising forward's output nodes
+        self.start = BackwardStart()  # pre-hooks on the last synchronising forward's outputs
         self.last_exposed_comm_s = 0.0
         self.plan_history: list[tuple[int, list[BucketInfo]]] = []  # (iterations synced before, plan)
         self._start_planning()
@@ -233,18 +233,17 @@ class Reducer:
         elif self.find_unused_parameters:
             reached = reachable_parameter_indices(outputs, self.index_of)
             self._forward_unused = set(range(len(self.params))) - reached
-        self._remove_start_hooks()
-        self._start_hooks = attach_backward_start(outputs, self._on_backward_start)
-
-    def _remove_start_hooks(self) -> None:
-        for handle in self._start_hooks:
-            handle.remove()
-        self._start_hooks = []
+        self.start.attach(outputs, self._on_backward_start)
 
     def _on_backward_start(self) -> None:
-        """Backward reached forward's outputs (before any gradient of forward's parameters)."""
-        if self.phase is Phase.ARMED:
+        """Backward reached forward's outputs: start reducing if it accumulates into the parameters, else
+        only claim its end (a gradient penalty's ``autograd.grad``; :mod:`~lightning_ddpx.engine.backward_start`)."""
+        if self.phase is not Phase.ARMED or self.start.end_claimed:
+            return
+        if self._grad_hooks.any_will_run():
             self._begin_reduction()
+        else:
+            self.start.claim_end(lambda: self._finalize() if self.phase is Phase.REDUCING else None)
 
     def allow_local_backward(self) -> None:
         """``no_sync()`` was entered: backward passes until the next forward accumulate locally, on purpose."""
@@ -292,7 +291,8 @@ class Reducer:
     def _begin_reduction(self) -> None:
         self.phase = Phase.REDUCING
         self.transport.begin_reduction()
-        queue_backward_callback(self._finalize)
+        if not self.start.end_claimed:  # else the claimed backward's end finalizes
+            queue_backward_callback(self._finalize)
         unused, self._forward_unused = self._forward_unused, set()
         for index in sorted(unused):
             self._mark_ready(index, used=False)
@@ -449,7 +449,7 @@ class Reducer:
     def _end_iteration(self, succeeded: bool) -> None:
         self.phase = Phase.IDLE
         self.reductions += 1
-        self._remove_start_hooks()
+        self.start.remove()
         self.synced_since_forward = succeeded
         self.used.clear()
         if succeeded:
