@@ -251,7 +251,7 @@ class Reducer:
 
     # ------------------------------------------------------------------------------------- backward
     def _make_grad_hook(self, index: int) -> PostHook:
-        reducing = Phase.REDUCING
+        reducing, used = Phase.REDUCING, self.used.local  # cleared in place: the same map while hooked
 
         def on_grad_accumulated(_outputs: Any, _inputs: Any) -> None:
             # Runs once per parameter per backward, so it does the minimum: a few list and bytearray stores
@@ -270,7 +270,7 @@ class Reducer:
                 self._mark_ready(index, used=True)  # errors, the first iterations, CUDA: the general path
                 return
             ready[index] = 1
-            self.used.local[index] = 1
+            used[index] = 1
             b = self._bucket_of[index]
             pending = self._pending
             left = pending[b] - 1
