@@ -293,6 +293,12 @@ def model_requires_grad_differs(rank: int) -> None:
     DDP(model)
 
 
+def buffer_rules_differ(rank: int) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # broadcast_buffers is deprecated by torch
+        DDP(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)), broadcast_buffers=rank == 1)
+
+
 def parameter_without_gradient(rank: int) -> None:
     loss_of(DDP(Skips()), rank).backward()
 
@@ -437,6 +443,8 @@ CASES: list[Case] = [
     Case("model_requires_grad_differs", model_requires_grad_differs, ValueError,
          ("'0.bias'", "requires_grad", "rank 0: True", "rank 1: False", "same requires_grad flags"),
          "two_ranks"),
+    Case("buffer_rules_differ", buffer_rules_differ, ValueError,
+         ("different buffer rules", "[False, True]", "same broadcast_buffers / forward_sync_buffers"), "two_ranks"),
     Case("parameter_without_gradient", parameter_without_gradient, RuntimeError,
          ("rank {rank}", "'skipped.weight'", "'skipped.bias'", "find_unused_parameters=True",
           "ddpx_find_unused_parameters_true"), "two_ranks"),

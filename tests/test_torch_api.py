@@ -58,12 +58,15 @@ CONSTRUCTOR_CASES = {
     "bucket_cap_mb_none": {"bucket_cap_mb": None},
     "forward_sync_buffers_off": {"forward_sync_buffers": False},
     "forward_sync_buffers_on": {"forward_sync_buffers": True},
+    "broadcast_buffers_off": {"broadcast_buffers": False},  # deprecated by torch 2.13: it warns
+    "broadcast_buffers_on": {"broadcast_buffers": True},
+    "broadcast_and_forward_sync_buffers": {"broadcast_buffers": False, "forward_sync_buffers": True},
     "skip_all_reduce_unused_params": {"skip_all_reduce_unused_params": True},
     "batched_grad_copy": {"batched_grad_copy": True},
 }
 ATTRIBUTES = (
-    "device_ids", "output_device", "dim", "forward_sync_buffers", "skip_all_reduce_unused_params",
-    "batched_grad_copy",
+    "device_ids", "output_device", "dim", "forward_sync_buffers", "broadcast_buffers",
+    "skip_all_reduce_unused_params", "batched_grad_copy",
 )  # fmt: skip
 
 
@@ -273,6 +276,38 @@ def buffers_stay_local(rank: int, world_size: int) -> None:
 @pytest.mark.slow
 def test_forward_sync_buffers_off_keeps_buffers_local_like_torchs() -> None:
     run_distributed(buffers_stay_local, 2)
+
+
+class RankLocalBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.register_buffer("mine", torch.full((3,), float(dist.get_rank())))
+
+
+def buffers_at_construction(rank: int, world_size: int) -> dict[str, list[float]]:
+    """torch 2.13: broadcast_buffers=False leaves the buffers out of the construction-time broadcast;
+    forward_sync_buffers=False does not."""
+    seen = {}
+    for name, kwargs in (
+        ("broadcast_buffers=False", {"broadcast_buffers": False}),
+        ("forward_sync_buffers=False", {"forward_sync_buffers": False}),
+        ("default", {}),
+    ):
+        for impl, cls in (("ours", OUR_DDP), ("torch", TORCH_DDP)):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                seen[f"{impl} {name}"] = cls(RankLocalBuffer(), **kwargs).module.mine.tolist()
+    return seen
+
+
+@pytest.mark.slow
+def test_buffers_at_construction_follow_torchs_rule() -> None:
+    ranks = run_distributed(buffers_at_construction, 2)
+    for name in ("broadcast_buffers=False", "forward_sync_buffers=False", "default"):
+        assert [r[f"ours {name}"] for r in ranks] == [r[f"torch {name}"] for r in ranks], name
+    assert ranks[1]["ours broadcast_buffers=False"] == [1.0, 1.0, 1.0]  # kept its own
+    assert ranks[1]["ours forward_sync_buffers=False"] == [0.0, 0.0, 0.0]  # took rank 0's
 
 
 IGNORED = ["3.weight", "1.running_mean"]  # a parameter and a buffer each rank keeps to itself

@@ -71,7 +71,10 @@ class DistributedDataParallel(nn.Module, JoinableModule, ModuleReports):
             them, as in torch's single-device DDP. Must be unset for a CPU module.
         dim: torch's meaning: the dimension torch would split inputs along across the devices of one process,
             which neither torch nor lightning_ddpx does any more; kept as ``self.dim``, unused.
-        broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to all ranks before forward.
+        broadcast_buffers: torch's, deprecated by torch 2.13 (a ``FutureWarning`` when given, as torch's): copy
+            rank 0's buffers (e.g. BatchNorm statistics) to all ranks before forward; ``False`` also leaves
+            the buffers out of the construction-time broadcast (rank-local buffers keep their values).
+            ``None``: ``True``.
         init_sync: check that every rank holds the same parameter shapes and broadcast rank 0's parameters
             and buffers at construction. ``False`` (torch's meaning): skip both; the ranks must already
             hold the same weights.
@@ -90,8 +93,9 @@ class DistributedDataParallel(nn.Module, JoinableModule, ModuleReports):
             or not) and parameters whose gradient arrives more than once per backward.
         first_bucket_cap_mb: cap of the first bucket launched (ours). ``None``: torch's rule, 1 MiB when
             ``bucket_cap_mb`` is ``None``, else ``bucket_cap_mb``.
-        forward_sync_buffers: torch 2.13's name for ``broadcast_buffers`` (``None``: take
-            ``broadcast_buffers``); given, it wins, as in torch.
+        forward_sync_buffers: torch 2.13's replacement for ``broadcast_buffers``: the same per-forward broadcast,
+            but buffers are always broadcast at construction (``None``: take ``broadcast_buffers``); given, it
+            wins, as in torch.
         skip_all_reduce_unused_params, batched_grad_copy: torch's optimisations that leave every gradient
             unchanged; accepted and kept as attributes. Our reducer copies each bucket in one batched call
             anyway, and parameters unused on every rank keep their gradient untouched either way.
@@ -111,7 +115,7 @@ class DistributedDataParallel(nn.Module, JoinableModule, ModuleReports):
         device_ids: Sequence[DeviceLike] | None = None,
         output_device: DeviceLike | None = None,
         dim: int = 0,
-        broadcast_buffers: bool = True,
+        broadcast_buffers: bool | None = None,
         init_sync: bool = True,
         process_group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float | None = None,
@@ -151,7 +155,9 @@ class DistributedDataParallel(nn.Module, JoinableModule, ModuleReports):
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
-        self.broadcast_buffers = _resolve_forward_sync_buffers(broadcast_buffers, forward_sync_buffers)
+        self.broadcast_buffers, self._init_sync_buffers = _resolve_buffer_sync(
+            broadcast_buffers, forward_sync_buffers
+        )
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.batched_grad_copy = batched_grad_copy
         self.find_unused_parameters = find_unused_parameters
@@ -199,15 +205,15 @@ class DistributedDataParallel(nn.Module, JoinableModule, ModuleReports):
         """Collective: every rank holds the same model (else every rank raises naming the first difference),
         then takes rank 0's parameters and buffers. Returns every rank's shared-memory obstacles, which the
         model check's all-gather carries (no collective of their own)."""
+        # the model check's all-gather carries this rank's shared-memory obstacles and buffer rule too
+        carry = 2 * local_obstacles(self.device.type == "cpu") + int(self._init_sync_buffers)
         with waiting_for("every rank to describe its model (construction)", self.process_group):
-            obstacles = verify_same_parameters(
-                named, self.process_group, self.device, local_obstacles(self.device.type == "cpu")
-            )
+            carried = verify_same_parameters(named, self.process_group, self.device, carry)
+        _refuse_different_buffer_rules([value % 2 for value in carried])
+        buffers = self.synced_buffers.tensors() if self._init_sync_buffers else []  # torch 2.13's rule
         with waiting_for("rank 0's parameters and buffers (construction)", self.process_group):
-            broadcast_from_rank0(
-                [p.detach() for _, p in named] + self.synced_buffers.tensors(), self.process_group
-            )
-        return obstacles
+            broadcast_from_rank0([p.detach() for _, p in named] + buffers, self.process_group)
+        return [value // 2 for value in carried]
 
     def _new_reducer(self) -> Reducer:
         """The reducer for the module's trainable parameters, with this module's options.
@@ -554,20 +560,41 @@ def _check_arguments(
         )
 
 
-def _resolve_forward_sync_buffers(broadcast_buffers: bool, forward_sync_buffers: bool | None) -> bool:
-    """torch 2.13: ``forward_sync_buffers``, when given, decides the per-forward buffer sync and
-    ``broadcast_buffers`` is ignored (torch warns when both are given; ours can only tell when
-    ``broadcast_buffers`` is not its default)."""
-    if forward_sync_buffers is None:
-        return broadcast_buffers
-    if not broadcast_buffers:
+def _resolve_buffer_sync(
+    broadcast_buffers: bool | None, forward_sync_buffers: bool | None
+) -> tuple[bool, bool]:
+    """torch 2.13's rule: (broadcast buffers before each synchronised forward, broadcast them at
+    construction). ``forward_sync_buffers``, when given, decides the first and buffers are broadcast at
+    construction; else ``broadcast_buffers`` (``None``: ``True``) decides both. Passing the deprecated
+    ``broadcast_buffers`` warns as torch's does."""
+    if broadcast_buffers is not None:
         warnings.warn(
             "lightning_ddpx.DistributedDataParallel: both broadcast_buffers and forward_sync_buffers are given; "
-            f"forward_sync_buffers={forward_sync_buffers} decides, as in torch. Pass only forward_sync_buffers.",
+            f"forward_sync_buffers={forward_sync_buffers} decides, as in torch. Pass only forward_sync_buffers. "
+            "(torch: Both `broadcast_buffers` and `forward_sync_buffers` were specified.)"
+            if forward_sync_buffers is not None
+            else "lightning_ddpx.DistributedDataParallel: broadcast_buffers is deprecated by torch; use "
+            "forward_sync_buffers, which broadcasts the buffers at construction even when False (keep "
+            "broadcast_buffers=False for rank-local buffers). (torch: `broadcast_buffers` is deprecated. Use "
+            "`forward_sync_buffers` instead.)",
             FutureWarning,
             stacklevel=3,
         )
-    return forward_sync_buffers
+    if forward_sync_buffers is not None:
+        return forward_sync_buffers, True
+    every_forward = True if broadcast_buffers is None else broadcast_buffers
+    return every_forward, every_forward
+
+
+def _refuse_different_buffer_rules(per_rank: list[int]) -> None:
+    """Every rank must broadcast its buffers at construction, or none: the broadcasts would not match."""
+    if any(flag != per_rank[0] for flag in per_rank):
+        raise ValueError(
+            "lightning_ddpx.DistributedDataParallel: ranks were built with different buffer rules: "
+            f"broadcast at construction per rank {[bool(flag) for flag in per_rank]} (broadcast_buffers=False "
+            "leaves them out, forward_sync_buffers does not). Pass the same broadcast_buffers / "
+            "forward_sync_buffers on every rank."
+        )
 
 
 def _single_device(named: list[tuple[str, nn.Parameter]]) -> torch.device:

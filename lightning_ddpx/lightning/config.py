@@ -284,7 +284,7 @@ class DDPXConfig:
             bucket_cap_mb=self.bucket_cap_mb,
             first_bucket_cap_mb=self.first_bucket_cap_mb,
             find_unused_parameters=self.find_unused_parameters,
-            broadcast_buffers=self.broadcast_buffers,
+            forward_sync_buffers=self.broadcast_buffers,  # the strategies: buffers always synced at wrap
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             static_graph=self.static_graph,
             init_sync=self.init_sync,
