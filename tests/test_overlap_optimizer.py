@@ -415,12 +415,12 @@ def plans_with_overlap(rank: int, world_size: int) -> dict[str, Any]:
     with_overlap = names()
     model.overlap_optimizer_with(None)
     after = names()
-    # one rank overlapping, the other not: the buckets differ, so the first forward must refuse by name
+    # one rank overlapping, the other not: the buckets differ, so the first reduction must refuse by name
     mismatched = lightning_ddpx.DistributedDataParallel(mlp())
     if rank == 0:
         mismatched.overlap_optimizer_with(sgd(mismatched.parameters()))
     try:
-        mismatched(rank_batch(rank, 0, (8, 16)))
+        mismatched(rank_batch(rank, 0, (8, 16))).sum().backward()
         error = None
     except ValueError as caught:
         error = str(caught)

@@ -310,6 +310,25 @@ def test_buffers_at_construction_follow_torchs_rule() -> None:
     assert ranks[1]["ours forward_sync_buffers=False"] == [0.0, 0.0, 0.0]  # took rank 0's
 
 
+def forwards_alone_then_training(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """Rank 0 alone runs forwards with gradients enabled (inference without torch.no_grad()) before any
+    training: with torch's DDP nothing is communicated then, so nothing may wait for the other rank."""
+    torch.manual_seed(0)
+    model = OUR_DDP(mlp())
+    if rank == 0:
+        for step in range(3):
+            model(rank_batch(rank, step, (4, 16)))
+    dist.barrier()
+    mlp_loss(model, 0).backward()  # then both train: the settings are compared, the gradients averaged
+    return {name: p.grad for name, p in model.module.named_parameters()}
+
+
+@pytest.mark.slow
+def test_a_rank_may_run_forwards_alone_before_training() -> None:
+    ranks = run_distributed(forwards_alone_then_training, 2, timeout=60, pg_timeout=20)
+    assert_same_tensors(ranks[0], ranks[1], "the averaged gradients", rtol=0, atol=0)
+
+
 IGNORED = ["3.weight", "1.running_mean"]  # a parameter and a buffer each rank keeps to itself
 
 

@@ -17,12 +17,14 @@ import torch
 import torch.distributed as dist
 
 from lightning_ddpx._compat.torch import foreach_copy_
+from lightning_ddpx.engine.errors import waiting_for
 
 __all__ = [
     "ParameterSignature",
     "broadcast_from",
     "broadcast_from_rank0",
     "describe_setting_difference",
+    "start_alike",
     "verify_same_parameters",
     "verify_same_settings",
 ]
@@ -61,6 +63,34 @@ def verify_same_parameters(
     everyone: list[list[ParameterSignature] | None] = [None] * world_size
     dist.all_gather_object(everyone, signatures, group=process_group)
     raise ValueError(describe_first_difference(everyone))  # type: ignore[arg-type]
+
+
+def start_alike(
+    named_parameters: Sequence[tuple[str, torch.nn.Parameter]],
+    buffers: Sequence[torch.Tensor] | None,
+    process_group: dist.ProcessGroup,
+    device: torch.device,
+    carry: int,
+) -> list[int]:
+    """Collective, at construction: every rank holds the same parameters and broadcasts its buffers alike
+    (else every rank raises, naming the first difference), then takes rank 0's parameters and ``buffers``
+    (``None``: the buffers stay each rank's own, torch's ``broadcast_buffers=False``). Returns every rank's
+    ``carry``, which the model check's all-gather carries with the buffer rule."""
+    with waiting_for("every rank to describe its model (construction)", process_group):
+        carried = verify_same_parameters(
+            named_parameters, process_group, device, 2 * carry + (buffers is not None)
+        )
+    rules = [value % 2 for value in carried]
+    if any(rule != rules[0] for rule in rules):
+        raise ValueError(
+            "lightning_ddpx.DistributedDataParallel: ranks were built with different buffer rules: "
+            f"broadcast at construction per rank {[bool(rule) for rule in rules]} (broadcast_buffers=False "
+            "leaves them out, forward_sync_buffers does not). Pass the same broadcast_buffers / "
+            "forward_sync_buffers on every rank."
+        )
+    with waiting_for("rank 0's parameters and buffers (construction)", process_group):
+        broadcast_from_rank0([p.detach() for _, p in named_parameters] + list(buffers or ()), process_group)
+    return [value // 2 for value in carried]
 
 
 def describe_first_difference(per_rank: list[list[ParameterSignature]]) -> str:

@@ -54,7 +54,7 @@ class JoinRound:
 
     active: tuple[int, ...]  # ranks that still have inputs
     syncing: bool  # this forward's backward reduces gradients (not no_sync, grad enabled)
-    verify: bool  # the ranks compare their settings (their first synchronising forward)
+    verify: bool  # the ranks compare their settings (before their first buffer broadcast or reduction)
     bitmap: bool  # their backward all-reduces the used-parameter bitmap after the buckets
     rebuild_src: int | None  # the rank whose observed gradient order rebuilds the buckets, if any
     buffers_src: int | None  # the rank whose buffers are broadcast before forward, if any
@@ -115,11 +115,13 @@ class DDPXJoinHook(JoinHook):
         module = self.module
         reducer = module.reducer
         round_ = announce(module, active=False)
-        if round_.verify:  # the others' first synchronising forward compares every rank's settings
-            module._settings_verified = False
-            module._verify_settings_once()
         if round_.rebuild_src is not None:
             reducer.rebuild_buckets_from(round_.rebuild_src)
+        # the others compare every rank's settings before their first collective: the buffers' broadcast,
+        # else their first reduction
+        if round_.verify and (round_.buffers_src is not None or round_.syncing):
+            module._settings_verified = False
+            module._verify_settings_once()
         if round_.buffers_src is not None:
             with waiting_for(
                 f"rank {round_.buffers_src}'s buffers before forward (shadowing a joined rank)",
@@ -207,7 +209,7 @@ class JoinableModule(Joinable):
             self,
             active=True,
             will_sync=will_sync,
-            will_verify=will_sync and not self._settings_verified and self.world_size > 1,
+            will_verify=(will_sync or sync_buffers) and not self._settings_verified and self.world_size > 1,
             will_rebuild=will_sync and self.reducer.planner.rebuild_pending,
             will_broadcast_buffers=sync_buffers,
             will_share_bitmap=will_sync and self.reducer.shares_used_bitmap,

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Iterable, Iterator, Sequence
+import weakref
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -19,11 +20,7 @@ from torch.distributed.algorithms.join import Joinable
 from lightning_ddpx._compat.torch import inputs_to_device
 from lightning_ddpx.engine.backend_support import check_bf16_hook
 from lightning_ddpx.engine.bucketing import is_bucket_cap, megabytes_to_bytes, resolve_bucket_caps
-from lightning_ddpx.engine.consistency import (
-    broadcast_from_rank0,
-    verify_same_parameters,
-    verify_same_settings,
-)
+from lightning_ddpx.engine.consistency import start_alike, verify_same_settings
 from lightning_ddpx.engine.errors import waiting_for
 from lightning_ddpx.engine.exit_threads import register_exit_handler
 from lightning_ddpx.engine.hook_signature import check_comm_hook
@@ -148,14 +145,13 @@ class DistributedDataParallel(nn.Module, JoinableModule, ModuleReports):
         )  # fmt: skip
         register_exit_handler()  # gloo may still be releasing the last collective at exit (engine.exit_threads)
         self.module = module
-        # torch's ignore list (set with _set_params_and_buffers_to_ignore_for_model, or by Lightning's
-        # LightningModule attribute): these parameters and buffers are neither checked, broadcast nor reduced.
+        # torch's ignore list (_set_params_and_buffers_to_ignore_for_model): neither checked, broadcast nor reduced
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         self.synced_buffers = SyncedBuffers(module, self.parameters_to_ignore)
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
-        self.broadcast_buffers, self._init_sync_buffers = _resolve_buffer_sync(
+        self.broadcast_buffers, self._init_sync_buffers = _buffer_rules(
             broadcast_buffers, forward_sync_buffers
         )
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
@@ -188,9 +184,15 @@ class DistributedDataParallel(nn.Module, JoinableModule, ModuleReports):
         self._input_device = placement.input_device
         self.dim = dim
         _check_sync_batchnorm(module, self.device)
-        # Every rank's shared-memory obstacles (lightning_ddpx.engine.shared_memory), carried by the model check;
-        # without the check the reducer gathers them itself
-        self._shared_memory_obstacles = self._initial_sync(named) if init_sync else None
+        # every rank's shared-memory obstacles, carried by the model check (without it the reducer gathers them)
+        self._shared_memory_obstacles = (
+            start_alike(
+                named, self.synced_buffers.tensors() if self._init_sync_buffers else None, self.process_group,
+                self.device, local_obstacles(self.device.type == "cpu"),
+            )
+            if init_sync
+            else None
+        )  # fmt: skip
         # requires_grad may change later: followed at each synchronising forward
         self._trainable = TrainableSet(named, unused_allowed=self.find_unused_parameters)
         if not self._trainable.trainable():
@@ -201,20 +203,6 @@ class DistributedDataParallel(nn.Module, JoinableModule, ModuleReports):
             )
         self._reducer: Reducer | None = self._new_reducer()
 
-    def _initial_sync(self, named: list[tuple[str, nn.Parameter]]) -> list[int]:
-        """Collective: every rank holds the same model (else every rank raises naming the first difference),
-        then takes rank 0's parameters and buffers. Returns every rank's shared-memory obstacles, which the
-        model check's all-gather carries (no collective of their own)."""
-        # the model check's all-gather carries this rank's shared-memory obstacles and buffer rule too
-        carry = 2 * local_obstacles(self.device.type == "cpu") + int(self._init_sync_buffers)
-        with waiting_for("every rank to describe its model (construction)", self.process_group):
-            carried = verify_same_parameters(named, self.process_group, self.device, carry)
-        _refuse_different_buffer_rules([value % 2 for value in carried])
-        buffers = self.synced_buffers.tensors() if self._init_sync_buffers else []  # torch 2.13's rule
-        with waiting_for("rank 0's parameters and buffers (construction)", self.process_group):
-            broadcast_from_rank0([p.detach() for _, p in named] + buffers, self.process_group)
-        return [value // 2 for value in carried]
-
     def _new_reducer(self) -> Reducer:
         """The reducer for the module's trainable parameters, with this module's options.
 
@@ -222,9 +210,9 @@ class DistributedDataParallel(nn.Module, JoinableModule, ModuleReports):
         """
         trainable = self._trainable.trainable()
         self._hook_registered = False
-        self._settings_verified = False  # at the first synchronising forward, once the hook is registered
+        self._settings_verified = False  # before the first collective, once the hook is registered
         self._in_backward_seen = 0  # _apply_optimizer_in_backward's registrations when last looked at
-        return Reducer(
+        reducer = Reducer(
             params=[p for _, p in trainable],
             names=[name for name, _ in trainable],
             process_group=self.process_group,
@@ -237,6 +225,8 @@ class DistributedDataParallel(nn.Module, JoinableModule, ModuleReports):
             shared_memory_obstacles=self._shared_memory_obstacles,
             usage_log=self._usage_log,
         )
+        reducer.before_reduction = _weakly(self._verify_settings_once)  # held weakly: no cycle to collect
+        return reducer
 
     def synced_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The module's parameters this module synchronises: all but those torch's ignore list names."""
@@ -319,17 +309,18 @@ class DistributedDataParallel(nn.Module, JoinableModule, ModuleReports):
     def _before_forward(self) -> bool:
         will_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         sync_buffers = self.broadcast_buffers and self._sync_buffers_next_forward and self.world_size > 1
+        sync_buffers = sync_buffers and self.synced_buffers.exist()  # torch: none to broadcast, no collective
         rebuild_src, buffers_src = 0, self.buffer_source_rank
         if self._join_config.enable:
             rebuild_src, buffers_src = self._announce_to_joined_ranks(will_sync, sync_buffers)
         # at any forward, as torch's DDP at its first: a no_sync() backward must not step them either
         self._take_over_optimizers_in_backward()  # before the settings check: it changes the transport
         if will_sync:
-            self._verify_settings_once()
             self._follow_trainable_changes()
             self._usage_log.on_sync_forward(self._rebuilt_plan)
         self.reducer.prepare_forward(will_sync, rebuild_src=rebuild_src)
-        if sync_buffers:
+        if sync_buffers:  # this module's first collective may be this one: every rank's settings first
+            self._verify_settings_once()
             self.synced_buffers.broadcast(self.process_group, buffers_src)
         return will_sync
 
@@ -348,7 +339,6 @@ class DistributedDataParallel(nn.Module, JoinableModule, ModuleReports):
         wrapper's forward, before forward could arm the reducer; the caller (the strategy) decides when a
         backward should synchronise and calls this with its loss (used to find unused parameters).
         """
-        self._verify_settings_once()
         self._follow_trainable_changes()
         self.reducer.prepare_forward(will_sync=True)
         self.reducer.prepare_backward(outputs)
@@ -363,12 +353,13 @@ class DistributedDataParallel(nn.Module, JoinableModule, ModuleReports):
             take_over(self.reducer, self.process_group, self.device, self.comm_hook)
 
     def _verify_settings_once(self) -> None:
-        """Before the first synchronised backward, check that every rank uses the same hook, hook options
-        and reducer options; a difference would otherwise surface steps later as a hang or a backend crash."""
+        """Before the first reduction or buffer broadcast (never at a forward that communicates nothing: a rank
+        may run those alone, as with torch's DDP), check that every rank uses the same hook, hook options and
+        reducer options; a difference would otherwise surface steps later as a hang or a backend crash."""
         if self._settings_verified or self.world_size == 1:
             return
         with waiting_for(
-            "every rank to compare its settings (first synchronised forward)", self.process_group
+            "every rank to compare its settings (before the first synchronised backward)", self.process_group
         ):
             verify_same_settings(self.settings(), self.process_group, self.device)
         self._settings_verified = True
@@ -560,9 +551,7 @@ def _check_arguments(
         )
 
 
-def _resolve_buffer_sync(
-    broadcast_buffers: bool | None, forward_sync_buffers: bool | None
-) -> tuple[bool, bool]:
+def _buffer_rules(broadcast_buffers: bool | None, forward_sync_buffers: bool | None) -> tuple[bool, bool]:
     """torch 2.13's rule: (broadcast buffers before each synchronised forward, broadcast them at
     construction). ``forward_sync_buffers``, when given, decides the first and buffers are broadcast at
     construction; else ``broadcast_buffers`` (``None``: ``True``) decides both. Passing the deprecated
@@ -586,15 +575,16 @@ def _resolve_buffer_sync(
     return every_forward, every_forward
 
 
-def _refuse_different_buffer_rules(per_rank: list[int]) -> None:
-    """Every rank must broadcast its buffers at construction, or none: the broadcasts would not match."""
-    if any(flag != per_rank[0] for flag in per_rank):
-        raise ValueError(
-            "lightning_ddpx.DistributedDataParallel: ranks were built with different buffer rules: "
-            f"broadcast at construction per rank {[bool(flag) for flag in per_rank]} (broadcast_buffers=False "
-            "leaves them out, forward_sync_buffers does not). Pass the same broadcast_buffers / "
-            "forward_sync_buffers on every rank."
-        )
+def _weakly(method: Callable[[], None]) -> Callable[[], None]:
+    """``method()`` while its object lives; nothing after."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            bound()
+
+    return call
 
 
 def _single_device(named: list[tuple[str, nn.Parameter]]) -> torch.device:

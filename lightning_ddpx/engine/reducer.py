@@ -21,7 +21,7 @@ joined rank's shadow reductions (:mod:`~lightning_ddpx.engine.join`) and static 
 from __future__ import annotations
 
 import enum
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -61,6 +61,10 @@ class Phase(enum.Enum):
     REDUCING = "reducing"
 
 
+def _nothing() -> None:
+    pass
+
+
 class Reducer:
     """Averages gradients of ``params`` across ``process_group`` during backward, bucket by bucket."""
 
@@ -92,6 +96,7 @@ class Reducer:
         self.transport: Transport = self._default_transport()
         self.overlap: Any = None  # engine.optimizer_overlap (set_overlap): it shapes the bucket plan
         self.in_backward: Any = None  # engine.optim_in_backward: torch's optimizers in backward, taken over
+        self.before_reduction: Callable[[], None] = _nothing  # the module's settings check
         self.stats = CommStatsRecorder()
         self.progress = ProgressBoard(process_group)  # what this rank last started, for hang reports
         self.phase = Phase.IDLE
@@ -289,6 +294,7 @@ class Reducer:
             raise RuntimeError(self.static.accumulated_message(index, self.rank))
 
     def _begin_reduction(self) -> None:
+        self.before_reduction()
         self.phase = Phase.REDUCING
         self.transport.begin_reduction()
         if not self.start.end_claimed:  # else the claimed backward's end finalizes

@@ -33,6 +33,11 @@ class SyncedBuffers:
                     if (f"{prefix}.{name}" if prefix else name) not in ignored:
                         self._slots.append((submodule, name))
 
+    def exist(self) -> bool:
+        """Whether there is any buffer to broadcast (torch's DDP broadcasts nothing, so waits for nobody,
+        for a module without buffers)."""
+        return any(getattr(m, name) is not None for m, name in self._slots)
+
     def tensors(self) -> list[torch.Tensor]:
         return [b for b in (getattr(m, name) for m, name in self._slots) if b is not None]
 

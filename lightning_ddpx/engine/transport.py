@@ -2,7 +2,7 @@
 
 A transport is the one object that knows the collectives a model's buckets take. Its identity says which
 path a model is on (``model.reducer.transport``), and :meth:`Transport.describe` is part of the settings
-every rank compares at the first synchronised forward, so ranks on different paths fail with a named
+every rank compares before the first reduction, so ranks on different paths fail with a named
 setting instead of a hang.
 
 - :class:`Transport`: a registered communication hook, torch's contract ``hook(state, bucket)``; the
