@@ -329,6 +329,29 @@ def test_a_rank_may_run_forwards_alone_before_training() -> None:
     assert_same_tensors(ranks[0], ranks[1], "the averaged gradients", rtol=0, atol=0)
 
 
+def wrapped_again(rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
+    """The same module wrapped again while the first wrapper lives on (not closed, not collected): the
+    old wrapper's hooks let the new one's gradients pass, as torch's stale reducer does."""
+    grads = {}
+    for name, cls in (("ours", OUR_DDP), ("torch", TORCH_DDP)):
+        torch.manual_seed(0)
+        module = mlp()
+        first = cls(module)
+        mlp_loss(first, 0).backward()
+        second = cls(module)
+        for p in module.parameters():
+            p.grad = None
+        mlp_loss(second, 1).backward()
+        grads[name] = {n: p.grad.clone() for n, p in module.named_parameters()}
+    return grads
+
+
+@pytest.mark.slow
+def test_a_module_wrapped_again_trains_like_torchs() -> None:
+    for rank in run_distributed(wrapped_again, 2):
+        assert_same_tensors(rank["ours"], rank["torch"], "gradients through the second wrapper", 1e-6, 1e-7)
+
+
 IGNORED = ["3.weight", "1.running_mean"]  # a parameter and a buffer each rank keeps to itself
 
 

@@ -12,6 +12,7 @@ made anew at every backward, without the hook.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -36,14 +37,34 @@ def gradient_accumulator(param: torch.Tensor) -> torch.autograd.graph.Node:
 PostHook = Callable[[Any, Any], None]
 
 
+# The latest hooks put on each parameter: a module wrapped again while its old wrapper lives (not closed)
+# carries both wrappers' hooks, and the old one's must let the new one's gradients pass.
+# Keyed by id(param): the hooks hold their parameters, so an id is not reused while its entry can be read.
+_LATEST: dict[int, weakref.ref[AccumulatorHooks]] = {}
+
+
+def _forget(key: int, ref: weakref.ref[AccumulatorHooks]) -> None:
+    if _LATEST.get(key) is ref:
+        del _LATEST[key]
+
+
 class AccumulatorHooks:
     """``make_hook(i)`` runs after each backward's accumulation into ``params[i].grad`` (and after the
     parameter's own post-accumulate-grad hooks); :meth:`remove` takes the hooks off and lets go of the
     accumulators."""
 
     def __init__(self, params: Sequence[torch.Tensor], make_hook: Callable[[int], PostHook]) -> None:
+        self._params = list(params)
         self._accumulators = [gradient_accumulator(p) for p in params]
         self._handles = [node.register_hook(make_hook(i)) for i, node in enumerate(self._accumulators)]
+        for param in self._params:
+            key = id(param)
+            _LATEST[key] = weakref.ref(self, lambda ref, key=key: _forget(key, ref))
+
+    def latest(self, index: int) -> bool:
+        """Whether these are the latest hooks put on ``params[index]`` (no newer wrapper hooked it since)."""
+        ref = _LATEST.get(id(self._params[index]))
+        return ref is not None and ref() is self
 
     def any_will_run(self) -> bool:
         """During a backward: whether it accumulates into any of the parameters (``loss.backward()`` does;
@@ -53,4 +74,8 @@ class AccumulatorHooks:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
-        self._handles, self._accumulators = [], []
+        for param in self._params:
+            ref = _LATEST.get(id(param))
+            if ref is not None and ref() is self:
+                del _LATEST[id(param)]
+        self._handles, self._accumulators, self._params = [], [], []

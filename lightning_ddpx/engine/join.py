@@ -135,7 +135,7 @@ class DDPXJoinHook(JoinHook):
         """Every rank ends with the model of the last rank to join (ties: the highest such rank)."""
         module = self.module
         module._join_config = JoinConfig.construct_disabled_join_config()
-        module.reducer.set_divisor(module.world_size)
+        module.reducer.transport.set_divisor(module.world_size)
         candidate = torch.tensor([module.rank if is_last_joiner else -1], device=module.device)
         with waiting_for("the last rank to join (end of join())", module.process_group):
             dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=module.process_group)
@@ -219,7 +219,8 @@ class JoinableModule(Joinable):
         divide_by_all = (
             self._join_divide_by_initial_world_size or self._join_config.throw_on_early_termination
         )
-        self.reducer.set_divisor(self.world_size if divide_by_all else len(round_.active))
+        # average over the ranks still training (default path only: a registered hook divides itself)
+        self.reducer.transport.set_divisor(self.world_size if divide_by_all else len(round_.active))
         return (
             round_.rebuild_src if round_.rebuild_src is not None else 0,
             round_.buffers_src if round_.buffers_src is not None else 0,

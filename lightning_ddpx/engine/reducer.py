@@ -201,10 +201,6 @@ class Reducer:
         self.transport = transport
         transport.set_layout(self.buckets)
 
-    def set_divisor(self, count: int) -> None:
-        """Average over ``count`` ranks from now on (default path only: a registered hook divides itself)."""
-        self.transport.set_divisor(count)
-
     # -------------------------------------------------------------------------------------- forward
     def prepare_forward(self, will_sync: bool, rebuild_src: int = 0) -> None:
         """Called before each forward: refuses to start over an unfinished reduction, rebuilds buckets
@@ -287,6 +283,8 @@ class Reducer:
 
     def _accumulate_locally(self, index: int) -> None:
         """A gradient outside a synchronised backward (``no_sync``): averaged at the next synchronisation."""
+        if not self._grad_hooks.latest(index):
+            return  # a newer wrapper of this parameter reduces it; torch's stale reducers stay quiet too
         if self.synced_since_forward:
             raise RuntimeError(messages.backward_after_sync(self.rank, self.names[index]))
         self.used.local[index] = 1
