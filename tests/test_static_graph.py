@@ -110,20 +110,20 @@ def count_graph_walks(rank: int, **ours_kwargs) -> int:
     import lightning_ddpx.engine.reducer as reducer_module
 
     calls = []
-    original = reducer_module.reachable_parameter_indices
+    original = reducer_module.unreachable_parameter_indices
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    reducer_module.reachable_parameter_indices = counting
+    reducer_module.unreachable_parameter_indices = counting
     try:
         torch.manual_seed(0)
         model = lightning_ddpx.DistributedDataParallel(WithUnused(), **ours_kwargs)
         for step in range(STEPS):
             loss(model, step).backward()
     finally:
-        reducer_module.reachable_parameter_indices = original
+        reducer_module.unreachable_parameter_indices = original
     return len(calls)
 
 

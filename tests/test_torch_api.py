@@ -85,6 +85,32 @@ def test_constructor_arguments_behave_as_torchs(name: str) -> None:
             assert getattr(made["ours"], attribute) == getattr(made["torch"], attribute), attribute
 
 
+def test_find_unused_with_a_static_graph_warns_as_torch_warns() -> None:
+    kwargs = {"static_graph": True, "find_unused_parameters": True}
+    with one_rank_group():
+        theirs, ours = (
+            outcome(lambda cls=cls: cls(nn.Linear(3, 2), **kwargs)) for cls in (TORCH_DDP, OUR_DDP)
+        )
+        with pytest.warns(
+            UserWarning, match="`_set_static_graph` will detect unused parameters automatically"
+        ):
+            OUR_DDP(nn.Linear(3, 2), **kwargs)
+    assert theirs[2] == ours[2] == ["UserWarning"]
+
+
+def test_find_unused_with_nothing_unused_warns_once_as_torch_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    import lightning_ddpx.engine.graph as graph
+
+    monkeypatch.setattr(graph, "_warned_nothing_unused", False)
+    with one_rank_group():
+        model = OUR_DDP(nn.Linear(3, 2), find_unused_parameters=True)
+        with pytest.warns(UserWarning, match="did not find any unused parameters in the forward pass"):
+            model(torch.ones(1, 3)).sum().backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model(torch.ones(1, 3)).sum().backward()  # once per process, as torch's TORCH_WARN_ONCE
+
+
 def test_positional_arguments_follow_torchs_order() -> None:
     with one_rank_group():
         model = OUR_DDP(nn.Linear(3, 2), None, None, 0, True, True, None, 5.0, False, False, False, True)

@@ -7,12 +7,15 @@ rest are marked ready (with a zero contribution) as soon as backward starts.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import fields, is_dataclass
 from typing import Any, Iterator, Mapping
 
 import torch
 
-__all__ = ["iter_tensors", "reachable_parameter_indices"]
+__all__ = ["iter_tensors", "reachable_parameter_indices", "unreachable_parameter_indices"]
+
+_warned_nothing_unused = False  # torch warns once per process
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -52,3 +55,22 @@ def reachable_parameter_indices(outputs: Any, index_of: Mapping[int, int]) -> se
                 seen.add(next_node)
                 pending.append(next_node)
     return reached
+
+
+def unreachable_parameter_indices(outputs: Any, index_of: Mapping[int, int]) -> set[int]:
+    """The parameters ``outputs`` cannot reach (they will get no gradient in this backward). When there are
+    none, warn once per process, as torch's reducer does: the graph walk of ``find_unused_parameters`` then
+    costs time every step for nothing, unless later iterations skip parameters."""
+    global _warned_nothing_unused
+    unreachable = set(index_of.values()) - reachable_parameter_indices(outputs, index_of)
+    if not unreachable and not _warned_nothing_unused:
+        _warned_nothing_unused = True
+        warnings.warn(
+            "lightning_ddpx.DistributedDataParallel: find_unused_parameters=True was given, but this forward "
+            "used every parameter. The flag walks the autograd graph every iteration, which costs time: if no "
+            "iteration ever leaves a parameter unused, turn it off (strategy 'ddpx' rather than "
+            "'ddpx_find_unused_parameters_true'). (torch: find_unused_parameters=True was specified in DDP "
+            "constructor, but did not find any unused parameters in the forward pass.)",
+            stacklevel=2,
+        )
+    return unreachable

@@ -35,7 +35,7 @@ from lightning_ddpx.engine.reducer import CommHook, Phase, Reducer
 from lightning_ddpx.engine.replica_check import ReplicaReport, named_state, verify_replicas
 from lightning_ddpx.engine.shared_memory import local_obstacles
 from lightning_ddpx.engine.sparse import expects_sparse_gradients
-from lightning_ddpx.engine.static_graph import allow_late_static_graph
+from lightning_ddpx.engine.static_graph import allow_late_static_graph, warn_find_unused_not_needed
 from lightning_ddpx.engine.synced_buffers import SyncedBuffers
 from lightning_ddpx.engine.trainable_set import TrainableSet
 from lightning_ddpx.engine.unsupported_options import refuse_unsupported_arguments
@@ -177,6 +177,8 @@ class DistributedDataParallel(nn.Module, JoinableModule, ModuleReports):
         """Construction, once the options are set: the device and torch's placement arguments, the model
         check and rank 0's broadcast (``init_sync``), the trainable parameters and the reducer."""
         module = self.module
+        if self.static_graph and self.find_unused_parameters:
+            warn_find_unused_not_needed(stacklevel=4)  # as torch's constructor does
         named = self.synced_parameters()
         self.device = _single_device(named)
         placement = resolve_placement(device_ids, output_device, self.device)

@@ -38,7 +38,7 @@ from lightning_ddpx.engine.comm_stats import CommStatsRecorder
 from lightning_ddpx.engine.cuda_streams import GradientStreams, current_stream, on_stream, wait_streams
 from lightning_ddpx.engine.diagnosis import ProgressBoard, bucket_checked
 from lightning_ddpx.engine.grad_bucket import GradBucket, payload_bytes
-from lightning_ddpx.engine.graph import reachable_parameter_indices
+from lightning_ddpx.engine.graph import unreachable_parameter_indices
 from lightning_ddpx.engine.profiling import label
 from lightning_ddpx.engine.results_in_order import ResultsInOrder
 from lightning_ddpx.engine.sparse import refuse_dense_only_hook
@@ -232,8 +232,7 @@ class Reducer:
         if self.static is not None:
             self._forward_unused = set(self.static.unused)  # empty while recording: nothing is known yet
         elif self.find_unused_parameters:
-            reached = reachable_parameter_indices(outputs, self.index_of)
-            self._forward_unused = set(range(len(self.params))) - reached
+            self._forward_unused = unreachable_parameter_indices(outputs, self.index_of)
         self.start.attach(outputs, self._on_backward_start)
 
     def _on_backward_start(self) -> None:
@@ -405,7 +404,7 @@ class Reducer:
             return None
         if missing and not self.find_unused_parameters:
             self._wait_launched_quietly()
-            raise RuntimeError(messages.unused_parameters(rank, [self.names[i] for i in missing]))
+            raise RuntimeError(messages.unused_parameters(rank, [self.names[i] for i in missing], missing))
         for index in missing:  # reachable from outputs but not from the loss
             self._mark_ready(index, used=False)
         return self.launch_used_bitmap() if self.find_unused_parameters else None

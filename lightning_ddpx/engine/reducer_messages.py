@@ -12,7 +12,9 @@ __all__ = [
 ]
 
 
-def unused_parameters(rank: int, names: Sequence[str]) -> str:
+def unused_parameters(rank: int, names: Sequence[str], indices: Sequence[int]) -> str:
+    """``names`` (at ``indices`` among the reduced parameters) got no gradient; the message ends with torch's
+    sentences, which code written for torch's DDP matches."""
     listed = ", ".join(repr(name) for name in names[:20])
     more = f" and {len(names) - 20} more" if len(names) > 20 else ""
     return (
@@ -20,7 +22,12 @@ def unused_parameters(rank: int, names: Sequence[str]) -> str:
         "no gradient in this backward, so their buckets cannot be reduced. Either the forward did not use "
         "them or the loss does not depend on them. Pass find_unused_parameters=True to "
         "DistributedDataParallel (or use strategy 'ddpx_find_unused_parameters_true' in Lightning), "
-        "or set requires_grad=False on parameters that are never trained."
+        "or set requires_grad=False on parameters that are never trained. (torch: This error indicates that "
+        "your module has parameters that were not used in producing loss. You can enable unused parameter "
+        "detection by passing the keyword argument `find_unused_parameters=True` to "
+        "`torch.nn.parallel.DistributedDataParallel`, and by making sure all `forward` function outputs "
+        f"participate in calculating loss. Parameter indices which did not receive grad for rank {rank}: "
+        f"{' '.join(str(i) for i in indices)})"
     )
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import warnings
 from typing import Sequence
 
-__all__ = ["StaticGraph", "allow_late_static_graph"]
+__all__ = ["StaticGraph", "allow_late_static_graph", "warn_find_unused_not_needed"]
 
 
 def allow_late_static_graph(
@@ -42,13 +42,21 @@ def allow_late_static_graph(
             "loop starts and after DistributedDataParallel is constructed.)"
         )
     if find_unused_parameters:
-        warnings.warn(
-            "lightning_ddpx.DistributedDataParallel: with _set_static_graph(), find_unused_parameters=True "
-            "is not needed: the static graph finds unused parameters in its first iteration (they must "
-            "stay the same in every iteration).",
-            stacklevel=4,  # the user's call (through errors_logged and the method)
-        )
+        warn_find_unused_not_needed(stacklevel=5)  # the user's call (through errors_logged and the method)
     return True
+
+
+def warn_find_unused_not_needed(stacklevel: int) -> None:
+    """torch's warning when a static graph is asked for with ``find_unused_parameters=True``."""
+    warnings.warn(
+        "lightning_ddpx.DistributedDataParallel: with a static graph, find_unused_parameters=True is not "
+        "needed: the static graph finds unused parameters in its first iteration (they must stay the same in "
+        "every iteration). (torch: You passed find_unused_parameters=true to DistributedDataParallel, "
+        "`_set_static_graph` will detect unused parameters automatically, so you do not need to set "
+        "find_unused_parameters=true, just be sure these unused parameters will not change during training "
+        "loop while calling `_set_static_graph`.)",
+        stacklevel=stacklevel,
+    )
 
 
 class StaticGraph:
