@@ -151,9 +151,8 @@ class DistributedDataParallel(nn.Module, JoinableModule, ModuleReports):
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
-        self.broadcast_buffers, self._init_sync_buffers = _buffer_rules(
-            broadcast_buffers, forward_sync_buffers
-        )
+        every_forward, at_construction = _buffer_rules(broadcast_buffers, forward_sync_buffers)
+        self.broadcast_buffers, self._init_sync_buffers = every_forward, at_construction
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.batched_grad_copy = batched_grad_copy
         self.find_unused_parameters = find_unused_parameters
@@ -177,8 +176,8 @@ class DistributedDataParallel(nn.Module, JoinableModule, ModuleReports):
         """Construction, once the options are set: the device and torch's placement arguments, the model
         check and rank 0's broadcast (``init_sync``), the trainable parameters and the reducer."""
         module = self.module
-        if self.static_graph and self.find_unused_parameters:
-            warn_find_unused_not_needed(stacklevel=4)  # as torch's constructor does
+        if self.static_graph and self.find_unused_parameters:  # as torch's constructor warns
+            warn_find_unused_not_needed(stacklevel=4)
         named = self.synced_parameters()
         self.device = _single_device(named)
         placement = resolve_placement(device_ids, output_device, self.device)
@@ -346,9 +345,8 @@ class DistributedDataParallel(nn.Module, JoinableModule, ModuleReports):
         self.reducer.prepare_backward(outputs)
 
     def _take_over_optimizers_in_backward(self) -> None:
-        """torch's ``_apply_optimizer_in_backward`` would step each parameter with its local gradient: its
-        optimizers step with the average instead (:mod:`lightning_ddpx.engine.optim_in_backward`). Looked
-        for when the number of parameters it hooked changed (one look-up per forward)."""
+        """torch's ``_apply_optimizer_in_backward`` optimizers step with the average, not the local gradient
+        (:mod:`lightning_ddpx.engine.optim_in_backward`); looked for once per forward."""
         seen = registrations()
         if seen != self._in_backward_seen:
             self._in_backward_seen = seen
