@@ -102,6 +102,9 @@ def engine_errors(rank: int, world_size: int) -> dict:
     with twice.no_sync():  # the same thing asked for explicitly is fine: local accumulation
         out["second_backward_in_no_sync"] = message_of(lambda: loss.backward())
     out["after_second_backward"] = message_of(lambda: mlp_loss(twice, 1).backward())
+    # torch's DDP lets a backward through .module pass (local gradients), e.g. evaluating the raw module on
+    # one rank after training: so does ours (only a second backward through the wrapper's outputs is refused)
+    out["module_backward"] = message_of(lambda: twice.module(torch.ones(2, 16)).sum().backward())
     return out
 
 
@@ -124,7 +127,8 @@ def test_engine_errors_name_the_culprit_and_the_fix():
         assert "deliberate failure" in out["hook_raises"] and "bucket 0" in out["hook_raises"]
         assert out["after_failure"] == "no error"
         second = out["second_backward"]
-        assert second.startswith(f"RuntimeError: lightning_ddpx (rank {rank}): parameter '"), second
+        assert second.startswith(f"RuntimeError: lightning_ddpx (rank {rank}): a second backward"), second
         assert "already synchronised" in second and "no_sync()" in second and "one backward" in second
         assert out["second_backward_in_no_sync"] == "no error"
         assert out["after_second_backward"] == "no error"
+        assert out["module_backward"] == "no error"

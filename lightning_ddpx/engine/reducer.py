@@ -238,6 +238,8 @@ class Reducer:
     def _on_backward_start(self) -> None:
         """Backward reached forward's outputs: start reducing if it accumulates into the parameters, else
         only claim its end (a gradient penalty's ``autograd.grad``; :mod:`~lightning_ddpx.engine.backward_start`)."""
+        if self.phase is Phase.IDLE and self.synced_since_forward and self._grad_hooks.any_will_run():
+            raise RuntimeError(messages.backward_after_sync(self.rank))  # the outputs kept their pre-hooks
         if self.phase is not Phase.ARMED or self.start.end_claimed:
             return
         if self._grad_hooks.any_will_run():
@@ -284,8 +286,6 @@ class Reducer:
         """A gradient outside a synchronised backward (``no_sync``): averaged at the next synchronisation."""
         if not self._grad_hooks.latest(index):
             return  # a newer wrapper of this parameter reduces it; torch's stale reducers stay quiet too
-        if self.synced_since_forward:
-            raise RuntimeError(messages.backward_after_sync(self.rank, self.names[index]))
         self.used.local[index] = 1
         if self.static is not None and self.static.unused_everywhere(index):
             raise RuntimeError(self.static.accumulated_message(index, self.rank))
@@ -452,7 +452,10 @@ class Reducer:
     def _end_iteration(self, succeeded: bool) -> None:
         self.phase = Phase.IDLE
         self.reductions += 1
-        self.start.remove()
+        if succeeded:  # the outputs' pre-hooks stay until the next forward: a second backward is refused
+            self.start.end_claimed = False
+        else:
+            self.start.remove()
         self.synced_since_forward = succeeded
         self.used.clear()
         if succeeded:

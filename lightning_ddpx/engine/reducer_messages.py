@@ -31,14 +31,13 @@ def unused_parameters(rank: int, names: Sequence[str], indices: Sequence[int]) -
     )
 
 
-def backward_after_sync(rank: int, name: str) -> str:
+def backward_after_sync(rank: int) -> str:
     return (
-        f"lightning_ddpx (rank {rank}): parameter {name!r} received a "
-        "gradient in a backward that ran after this iteration's gradients were already synchronised, with no "
-        "new forward through DistributedDataParallel (a second backward of the same forward, or a forward "
-        "that called .module directly). That gradient would stay on this rank and the ranks would step with "
-        "different gradients. Combine the losses into one backward, or run the extra backward inside "
-        "no_sync() and synchronise on a later one, and call the wrapper itself for every forward."
+        f"lightning_ddpx (rank {rank}): a second backward through the outputs of a forward whose gradients "
+        "were already synchronised (retain_graph=True), with no new forward through DistributedDataParallel. "
+        "Its gradients would stay on this rank and the ranks would step with different gradients (torch's DDP "
+        "lets this pass silently). Combine the losses into one backward, or run the extra backward inside "
+        "no_sync() and synchronise on a later one."
     )
 
 
