@@ -53,6 +53,14 @@ class BackwardStart:
 
         queue_backward_callback(end)
 
+    def iteration_ended(self, succeeded: bool) -> None:
+        """A synchronised backward ended. After a success the outputs keep their pre-hooks until the next
+        forward, so that a second backward through them is seen (and refused by the reducer); after a
+        failure they go."""
+        self.end_claimed = False
+        if not succeeded:
+            self.remove()
+
     def remove(self) -> None:
         """Take the pre-hooks off (an output node may outlive its iteration); a claim is void from now on
         (the backward it was made in failed before its end, or the iteration is over)."""

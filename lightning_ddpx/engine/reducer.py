@@ -236,8 +236,8 @@ class Reducer:
         self.start.attach(outputs, self._on_backward_start)
 
     def _on_backward_start(self) -> None:
-        """Backward reached forward's outputs: start reducing if it accumulates into the parameters, else
-        only claim its end (a gradient penalty's ``autograd.grad``; :mod:`~lightning_ddpx.engine.backward_start`)."""
+        """Backward reached forward's outputs: start reducing if it accumulates into the parameters, else only
+        claim its end (:mod:`~lightning_ddpx.engine.backward_start`); refuse a second one after the sync."""
         if self.phase is Phase.IDLE and self.synced_since_forward and self._grad_hooks.any_will_run():
             raise RuntimeError(messages.backward_after_sync(self.rank))  # the outputs kept their pre-hooks
         if self.phase is not Phase.ARMED or self.start.end_claimed:
@@ -452,10 +452,7 @@ class Reducer:
     def _end_iteration(self, succeeded: bool) -> None:
         self.phase = Phase.IDLE
         self.reductions += 1
-        if succeeded:  # the outputs' pre-hooks stay until the next forward: a second backward is refused
-            self.start.end_claimed = False
-        else:
-            self.start.remove()
+        self.start.iteration_ended(succeeded)
         self.synced_since_forward = succeeded
         self.used.clear()
         if succeeded:
