@@ -431,15 +431,16 @@ CASES: list[Case] = [
     Case("resume_with_other_powersgd_rank", lambda: resume(saved_entry(), rank=2),
          UserWarning, ("matrix_approximation_rank=1", "this state uses 2", "reset"), "one_rank"),
     # --- ranks that disagree: every rank raises, naming the parameter and each rank's value
-    Case("model_shape_differs", model_shape_differs, ValueError,
+    Case("model_shape_differs", model_shape_differs, RuntimeError,
          ("'1.weight'", "shape", "rank 0: (4, 3)", "rank 1: (5, 3)", "Build the same model on every rank"),
          "two_ranks"),
     Case("model_dtype_differs", model_dtype_differs, ValueError,
          ("'0.weight'", "dtype", "rank 0: 'torch.float32'", "rank 1: 'torch.float64'", "Build the same model"),
          "two_ranks"),
-    Case("model_parameter_count_differs", model_count_differs, ValueError,
-         ("'2.weight'", "rank 0: missing", "Parameter counts per rank: [4, 6]", "Build the same model"),
-         "two_ranks"),
+    Case("model_parameter_count_differs", model_count_differs, RuntimeError,  # torch's type (and ValueError)
+         ("'2.weight'", "rank 0: missing", "Parameter counts per rank: [4, 6]", "Build the same model",
+          "DDP expects same model across all ranks, but Rank 0 has 4 params, while rank 1 has inconsistent 6 "
+          "params."), "two_ranks"),
     Case("model_requires_grad_differs", model_requires_grad_differs, ValueError,
          ("'0.bias'", "requires_grad", "rank 0: True", "rank 1: False", "same requires_grad flags"),
          "two_ranks"),

@@ -20,6 +20,7 @@ from lightning_ddpx._compat.torch import foreach_copy_
 from lightning_ddpx.engine.errors import waiting_for
 
 __all__ = [
+    "ModelMismatchError",
     "ParameterSignature",
     "broadcast_from",
     "broadcast_from_rank0",
@@ -30,6 +31,11 @@ __all__ = [
 ]
 
 ParameterSignature = tuple[str, tuple[int, ...], str, bool]  # name, shape, dtype, requires_grad
+
+
+class ModelMismatchError(RuntimeError, ValueError):
+    """Ranks hold different models: torch's DDP raises ``RuntimeError`` (or times out), earlier releases of
+    lightning_ddpx ``ValueError``; this is both."""
 
 
 def _signatures(named_parameters: Sequence[tuple[str, torch.nn.Parameter]]) -> list[ParameterSignature]:
@@ -62,7 +68,7 @@ def verify_same_parameters(
         return [int(d[1]) for d in gathered]
     everyone: list[list[ParameterSignature] | None] = [None] * world_size
     dist.all_gather_object(everyone, signatures, group=process_group)
-    raise ValueError(describe_first_difference(everyone))  # type: ignore[arg-type]
+    raise ModelMismatchError(describe_first_difference(everyone))  # type: ignore[arg-type]
 
 
 def start_alike(
@@ -115,8 +121,20 @@ def describe_first_difference(per_rank: list[list[ParameterSignature]]) -> str:
                     + f"First difference at parameter #{position} ({name!r}), {label}: {detail}. "
                     + f"Parameter counts per rank: {counts}. Build the same model on every rank "
                     + "(same constructor arguments, same requires_grad flags) before wrapping it."
+                    + _torch_count_sentence(counts)
                 )
-    return header + f"Parameter counts per rank differ: {counts}."
+    return header + f"Parameter counts per rank differ: {counts}." + _torch_count_sentence(counts)
+
+
+def _torch_count_sentence(counts: list[int]) -> str:
+    """torch's sentence when the parameter counts differ (code written for torch's DDP matches it)."""
+    other = next((rank for rank, count in enumerate(counts) if count != counts[0]), None)
+    if other is None:
+        return ""
+    return (
+        f" (torch: DDP expects same model across all ranks, but Rank 0 has {counts[0]} params, while rank "
+        f"{other} has inconsistent {counts[other]} params.)"
+    )
 
 
 def verify_same_settings(
