@@ -451,7 +451,8 @@ CASES: list[Case] = [
           "ddpx_find_unused_parameters_true",
           # torch's sentences, which tests written for torch's DDP match
           "making sure all `forward` function outputs participate in calculating loss",
-          "Parameter indices which did not receive grad for rank {rank}: 2 3"), "two_ranks"),
+          "Parameter indices which did not receive grad for rank {rank}: 2 3",
+          "Parameters which did not receive grad for rank {rank}: skipped.weight, skipped.bias"), "two_ranks"),
     Case("hook_result_wrong_size", backward_with_hook(wrong_size_result), RuntimeError,
          ("wrong_size_result", "bucket 0", "same size as bucket.buffer()"), "two_ranks"),
     Case("hook_result_wrong_dtype", backward_with_hook(integer_result), RuntimeError,

@@ -27,7 +27,8 @@ def unused_parameters(rank: int, names: Sequence[str], indices: Sequence[int]) -
         "detection by passing the keyword argument `find_unused_parameters=True` to "
         "`torch.nn.parallel.DistributedDataParallel`, and by making sure all `forward` function outputs "
         f"participate in calculating loss. Parameter indices which did not receive grad for rank {rank}: "
-        f"{' '.join(str(i) for i in indices)})"
+        f"{' '.join(str(i) for i in indices)}. Parameters which did not receive grad for rank {rank}: "
+        f"{', '.join(names)})"
     )
 
 
