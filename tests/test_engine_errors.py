@@ -111,7 +111,7 @@ def engine_errors(rank: int, world_size: int) -> dict:
 def test_engine_errors_name_the_culprit_and_the_fix():
     results = run_distributed(engine_errors, 2)
     for rank, out in enumerate(results):
-        assert "ValueError" in out["mismatch"] and "'1.weight'" in out["mismatch"], out["mismatch"]
+        assert "ModelMismatchError" in out["mismatch"] and "'1.weight'" in out["mismatch"], out["mismatch"]
         assert "rank 0: (4, 3)" in out["mismatch"] and "rank 1: (5, 3)" in out["mismatch"]
         assert "'0.bias'" in out["requires_grad"] and "requires_grad" in out["requires_grad"]
         assert "one device" in out["devices"] and "'1.weight'" in out["devices"] and "meta" in out["devices"]
