@@ -482,6 +482,7 @@ class Reducer:
     def close(self) -> None:
         """Remove the gradient hooks and stop the communication thread; the reducer is unusable after."""
         self._grad_hooks.remove()
+        self.start.remove()  # the last outputs' pre-hooks hold this reducer until the next forward
         self.transport.close()
         self.progress.close()
 
