@@ -74,8 +74,7 @@ class AccumulatorHooks:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
-        for param in self._params:
-            ref = _LATEST.get(id(param))
-            if ref is not None and ref() is self:
+        for index, param in enumerate(self._params):
+            if self.latest(index):
                 del _LATEST[id(param)]
         self._handles, self._accumulators, self._params = [], [], []

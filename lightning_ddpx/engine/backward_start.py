@@ -19,11 +19,11 @@ a backward that produced no gradient leaves the reducer armed for the next one, 
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Callable
 
 from lightning_ddpx._compat.torch import queue_backward_callback
 from lightning_ddpx.engine.graph import iter_tensors
+from lightning_ddpx.engine.weak_calls import weakly
 
 __all__ = ["BackwardStart"]
 
@@ -44,14 +44,8 @@ class BackwardStart:
         nodes = {tensor.grad_fn for tensor in iter_tensors(outputs) if tensor.grad_fn is not None}
         # held weakly: the hooks stay on the outputs after the iteration, and must not keep a reducer (its
         # threads) alive once its module is gone
-        reached = weakref.WeakMethod(on_reached)
-
-        def prehook(grad_outputs: Any) -> None:
-            method = reached()
-            if method is not None:
-                method()
-
-        self._handles = [node.register_prehook(prehook) for node in nodes]
+        reached = weakly(on_reached)
+        self._handles = [node.register_prehook(lambda grad_outputs: reached()) for node in nodes]
 
     def claim_end(self, at_end: Callable[[], None]) -> None:
         """Run ``at_end()`` when the running backward ends (its graph task, not a nested one)."""

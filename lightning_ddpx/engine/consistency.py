@@ -180,17 +180,9 @@ def describe_setting_difference(per_rank: list[dict[str, str]]) -> str:
     return "lightning_ddpx.DistributedDataParallel: ranks are configured differently."
 
 
-@torch.no_grad()
 def broadcast_from_rank0(tensors: Sequence[torch.Tensor], process_group: dist.ProcessGroup) -> None:
-    """Overwrite ``tensors`` on every rank with rank 0's values: one collective per dtype, not per tensor."""
-    by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
-    for tensor in tensors:
-        if tensor.numel():
-            by_dtype[(tensor.dtype, tensor.device)].append(tensor)
-    for group in by_dtype.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in group])
-        dist.broadcast(flat, group=process_group, group_src=0)
-        foreach_copy_([t.detach() for t in group], list(_split_like(flat, group)))
+    """Overwrite ``tensors`` on every rank with rank 0's values (:func:`broadcast_from`)."""
+    broadcast_from(tensors, process_group, 0)
 
 
 def _split_like(flat: torch.Tensor, like: Sequence[torch.Tensor]):
@@ -202,7 +194,8 @@ def _split_like(flat: torch.Tensor, like: Sequence[torch.Tensor]):
 
 @torch.no_grad()
 def broadcast_from(tensors: Sequence[torch.Tensor], process_group: dist.ProcessGroup, src: int) -> None:
-    """Overwrite ``tensors`` on every rank with group rank ``src``'s values, one collective per dtype."""
+    """Overwrite ``tensors`` on every rank with group rank ``src``'s values: one collective per dtype, not per
+    tensor."""
     grouped: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
     for tensor in tensors:
         if tensor.numel():
@@ -210,7 +203,4 @@ def broadcast_from(tensors: Sequence[torch.Tensor], process_group: dist.ProcessG
     for group in grouped.values():
         flat = torch.cat([t.detach().reshape(-1) for t in group])
         dist.broadcast(flat, group=process_group, group_src=src)
-        offset = 0
-        for tensor in group:
-            tensor.detach().copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-            offset += tensor.numel()
+        foreach_copy_([t.detach() for t in group], list(_split_like(flat, group)))

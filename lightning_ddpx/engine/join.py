@@ -117,9 +117,9 @@ class DDPXJoinHook(JoinHook):
         round_ = announce(module, active=False)
         if round_.rebuild_src is not None:
             reducer.rebuild_buckets_from(round_.rebuild_src)
-        # the others compare every rank's settings before their first collective: the buffers' broadcast,
-        # else their first reduction
-        if round_.verify and (round_.buffers_src is not None or round_.syncing):
+        # the others compare every rank's settings before their first collective (announced only then):
+        # the buffers' broadcast, else their first reduction
+        if round_.verify:
             module._settings_verified = False
             module._verify_settings_once()
         if round_.buffers_src is not None:

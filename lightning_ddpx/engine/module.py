@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-import weakref
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,6 +39,7 @@ from lightning_ddpx.engine.synced_buffers import SyncedBuffers
 from lightning_ddpx.engine.trainable_set import TrainableSet
 from lightning_ddpx.engine.unsupported_options import refuse_unsupported_arguments
 from lightning_ddpx.engine.usage_log import UsageLog, errors_logged
+from lightning_ddpx.engine.weak_calls import weakly
 
 __all__ = ["DistributedDataParallel", "NothingToSynchronise"]
 
@@ -226,7 +226,7 @@ class DistributedDataParallel(nn.Module, JoinableModule, ModuleReports):
             shared_memory_obstacles=self._shared_memory_obstacles,
             usage_log=self._usage_log,
         )
-        reducer.before_reduction = _weakly(self._verify_settings_once)  # held weakly: no cycle to collect
+        reducer.before_reduction = weakly(self._verify_settings_once)  # held weakly: no cycle to collect
         return reducer
 
     def synced_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -573,18 +573,6 @@ def _buffer_rules(broadcast_buffers: bool | None, forward_sync_buffers: bool | N
         return forward_sync_buffers, True
     every_forward = True if broadcast_buffers is None else broadcast_buffers
     return every_forward, every_forward
-
-
-def _weakly(method: Callable[[], None]) -> Callable[[], None]:
-    """``method()`` while its object lives; nothing after."""
-    ref = weakref.WeakMethod(method)
-
-    def call() -> None:
-        bound = ref()
-        if bound is not None:
-            bound()
-
-    return call
 
 
 def _single_device(named: list[tuple[str, nn.Parameter]]) -> torch.device:

@@ -103,8 +103,8 @@ class Reducer:
         self.iterations_synced = 0  # completed synchronised backwards
         # Synchronising forwards and reductions so far, shadowed ones (join) included: DDPX_DEBUG compares them.
         self.forwards_armed = self.reductions = 0
-        # True from the end of a synchronised backward until the next forward (or no_sync()): a gradient
-        # arriving then comes from a second backward of the same forward, which would stay local.
+        # True from the end of a synchronised backward until the next forward (or no_sync()): a backward
+        # through the same outputs then would keep its gradients local, so it is refused.
         self.synced_since_forward = False
         self._forward_unused: set[int] = set()
         self.start = BackwardStart()  # pre-hooks on the last synchronising forward's outputs
@@ -482,7 +482,7 @@ class Reducer:
     def close(self) -> None:
         """Remove the gradient hooks and stop the communication thread; the reducer is unusable after."""
         self._grad_hooks.remove()
-        self.start.remove()  # the last outputs' pre-hooks hold this reducer until the next forward
+        self.start.remove()  # the last outputs' pre-hooks (they stay on until the next forward)
         self.transport.close()
         self.progress.close()
 

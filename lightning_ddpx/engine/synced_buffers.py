@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_ddpx.engine.consistency import broadcast_from, broadcast_from_rank0
+from lightning_ddpx.engine.consistency import broadcast_from
 from lightning_ddpx.engine.errors import waiting_for
 from lightning_ddpx.engine.profiling import label
 
@@ -48,7 +48,4 @@ class SyncedBuffers:
             return
         with label("lightning_ddpx::broadcast_buffers"):
             with waiting_for(f"rank {src}'s buffers before forward (broadcast_buffers=True)", process_group):
-                if src == 0:
-                    broadcast_from_rank0(buffers, process_group)
-                else:
-                    broadcast_from(buffers, process_group, src)
+                broadcast_from(buffers, process_group, src)
