@@ -6,7 +6,9 @@ gradient is the mean of ``global - local``, Nesterov SGD steps the global parame
 them -- and streaming DiLoCo (arXiv 2501.18512, Algorithm 2) -- fragment ``p`` is sent when
 ``(t - t_p) % H == 0`` (``t_p = (p + 1) H / F``), its mean arrives ``tau`` steps later, the outer step gives
 the fragment's new global value ``g`` and each replica mixes ``alpha * local + (1 - alpha) * g``; the delta
-optionally cast to bf16/fp16 and divided by the world size before it is summed. Ours runs the real path: the
+optionally cast to bf16/fp16 and divided by the world size before it is summed, or quantized to int8/int4
+(blocks of 128 elements, each scaled by its largest magnitude, rounded to nearest): each replica's delta
+quantized, the mean of the decoded values taken in fp32, quantized again and decoded. Ours runs the real path: the
 module of :class:`DDPXConfig` with ``comm_hook="diloco"`` (gradients must stay local) and the state's
 averager after each optimizer step. Every rank's parameters, and the anchors, must equal the reference's
 within 1e-6 after a number of steps that ends between two syncs (so replicas differ).
@@ -30,10 +32,42 @@ CASES = {
     "streaming_overlap2": ({"period": 4, "fragments": 2, "overlap_steps": 2, "outer_lr": 0.9}, 13),
     "streaming_bf16": ({"period": 4, "fragments": 2, "overlap_steps": 1, "precision": "bf16"}, 13),
     "streaming_fp16": ({"period": 4, "fragments": 3, "overlap_steps": 0, "precision": "fp16"}, 13),
+    "diloco_int8": ({"period": 4, "precision": "int8"}, 11),
+    "streaming_int4": (
+        {"period": 6, "fragments": 3, "overlap_steps": 2, "mixing": 0.5, "precision": "int4"},
+        16,
+    ),
+    "streaming_int8_overlap1": ({"period": 4, "fragments": 2, "overlap_steps": 1, "precision": "int8"}, 13),
 }
 # Low-precision sums of 3 addends depend on the backend's order; with 2 ranks the sum is exact either way.
 LOW_PRECISION = {"streaming_bf16", "streaming_fp16"}
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+BITS = {"int8": 8, "int4": 4}
+BLOCK = 128
+
+
+def fake_quantize(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """The documented rounding, block by block: scale = largest magnitude / qmax, x -> round(x / scale) * scale."""
+    qmax = 2 ** (bits - 1) - 1
+    out = torch.zeros_like(x)
+    for start in range(0, x.numel(), BLOCK):
+        block = x[start : start + BLOCK]
+        scale = block.abs().max() / qmax
+        if scale > 0:
+            out[start : start + BLOCK] = torch.round(block / scale).clamp(-qmax, qmax) * scale
+    return out
+
+
+def quantized_mean(deltas: list[torch.Tensor], bits: int) -> torch.Tensor:
+    """Each replica's flat delta quantized, the decoded values averaged in fp32 (in rank order), the mean
+    quantized again and decoded."""
+    n = deltas[0].numel()
+    padded = [torch.cat([d, torch.zeros(-n % BLOCK)]) for d in deltas]
+    total = None
+    for d in padded:
+        decoded = fake_quantize(d, bits)
+        total = decoded if total is None else total + decoded
+    return fake_quantize(total / len(deltas), bits)[:n]
 
 
 def make_model() -> nn.Module:
@@ -66,7 +100,7 @@ def fragments_by_rule(model: nn.Module, count: int) -> list[int]:
 def reference_run(options: dict, world_size: int, steps: int) -> dict:
     o = DiLoCoOptions(**options)
     H, F, tau, alpha, mu, lr = o.period, o.fragments, o.overlap_steps, o.mixing, o.outer_momentum, o.outer_lr
-    dtype = DTYPES[o.precision]
+    dtype = DTYPES.get(o.precision)
     replicas = [make_model() for _ in range(world_size)]
     optimizers = [inner_optimizer(m) for m in replicas]
     batches = [data(m, steps) for m in range(world_size)]
@@ -85,14 +119,23 @@ def reference_run(options: dict, world_size: int, steps: int) -> dict:
             for f in range(F):
                 t_f = (f + 1) * H // F
                 if t >= t_f and (t - t_f) % H == 0:
+                    members = [i for i, g in enumerate(fragment_of) if g == f]
                     mean = []
-                    for i in (i for i, g in enumerate(fragment_of) if g == f):
-                        total = None
-                        for m in range(world_size):
-                            delta = global_[i] - params[m][i]
-                            delta = (delta.to(dtype) if dtype else delta) / world_size
-                            total = delta if total is None else total + delta
-                        mean.append(total.float())
+                    if o.precision in BITS:
+                        flat = [torch.cat([(global_[i] - params[m][i]).reshape(-1) for i in members])
+                                for m in range(world_size)]  # fmt: skip
+                        averaged, offset = quantized_mean(flat, BITS[o.precision]), 0
+                        for i in members:
+                            mean.append(averaged[offset : offset + global_[i].numel()].view_as(global_[i]))
+                            offset += global_[i].numel()
+                    else:
+                        for i in members:
+                            total = None
+                            for m in range(world_size):
+                                delta = global_[i] - params[m][i]
+                                delta = (delta.to(dtype) if dtype else delta) / world_size
+                                total = delta if total is None else total + delta
+                            mean.append(total.float())
                     arriving[f] = (t + tau, mean)
             for f in sorted(arriving):
                 due, mean = arriving[f]
@@ -185,3 +228,18 @@ def test_bytes_per_sync_follow_fragment_size_and_precision(outcomes) -> None:
         out = outcomes[2][0][name]
         assert out["bytes"] == sends * element, name
     assert outcomes[2][0]["diloco"]["bytes"] == 2 * total * 4  # steps 4 and 8 of 11
+
+
+def test_quantized_exchanges_carry_codes_and_a_scale_per_block(outcomes) -> None:
+    # 119 elements in one fragment, padded to one block of 128 per rank: a row of 128 int8 codes and one
+    # 4-byte scale per rank, sent at steps 4 and 8 of 11
+    assert outcomes[2][0]["diloco_int8"]["bytes"] == 2 * 2 * (128 + 4)
+    assert outcomes[3][0]["diloco_int8"]["bytes"] == 2 * 3 * (128 + 4)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_quantized_means_are_the_same_bits_on_every_rank(outcomes, world_size: int) -> None:
+    for name in ("diloco_int8", "streaming_int4", "streaming_int8_overlap1"):
+        first = outcomes[world_size][0][name]["anchors"]
+        for out in outcomes[world_size][1:]:
+            assert all(torch.equal(a, b) for a, b in zip(first, out[name]["anchors"])), name

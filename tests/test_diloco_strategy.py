@@ -35,6 +35,8 @@ EPOCH_STEPS = 8  # 64 samples / 2 ranks / batch 4
 # end of epoch 0 (step 8) fragment 1's exchange is in flight.
 STREAMING = {"period": 4, "fragments": 2, "overlap_steps": 1, "outer_lr": 0.8, "precision": "bf16"}
 PLAIN = {"period": 3, "outer_lr": 0.7, "outer_momentum": 0.9}
+# the same schedule with two steps of overlap and 4-bit exchanges: at step 8 fragment 1's exchange is in flight
+QUANTIZED = {**STREAMING, "overlap_steps": 2, "precision": "int4"}
 
 
 class AdamRegressor(TinyRegressor):
@@ -142,6 +144,21 @@ def trainer_job(rank: int, world_size: int, directory: str) -> dict:
     state = trainer.strategy.comm_hook_state
     out["resumed/counters"] = (state.step, state.syncs)
 
+    trainer, model = fit(strategy(QUANTIZED), max_steps=-1, max_epochs=2, model_cls=AdamRegressor)
+    out["int4"] = parameters_of(model)
+    out["int4/by_hand"] = by_hand(rank, world_size, QUANTIZED, epochs=2)
+    checkpoint = ModelCheckpoint(dirpath=directory, filename="int4-{epoch}", save_on_train_epoch_end=True)
+    fit(
+        strategy(QUANTIZED), max_steps=-1, max_epochs=1, model_cls=AdamRegressor, enable_checkpointing=True,
+        callbacks=[checkpoint],
+    )  # fmt: skip
+    path = os.path.join(directory, "int4-epoch=0.ckpt")
+    out["int4/path"] = path
+    trainer, model = fit(
+        strategy(QUANTIZED), max_steps=-1, max_epochs=2, model_cls=AdamRegressor, ckpt_path=path
+    )
+    out["int4/resumed"] = parameters_of(model)
+
     recorder = Recorder()
     fit(
         strategy(STREAMING, comm_stats_every_n_steps=1),
@@ -198,6 +215,17 @@ def test_trainer_resume_is_bit_identical_and_checkpoint_holds_the_outer_state(tr
     assert len(shared["anchors"]) == 4 and shared["outer_optimizer"]["state"]  # outer momentum buffers
     replicas = checkpoint["lightning_ddpx_replicas"]  # rank 1's own weights and AdamW moments
     assert replicas[0] is None and set(replicas[1]) == {"state_dict", "optimizer_states"}
+
+
+def test_quantized_exchanges_train_as_by_hand_and_resume_bit_identically(trainer_results):
+    for out in trainer_results:
+        assert_same_tensors(out["int4"], out["int4/by_hand"], "int4: Trainer vs by hand", 0.0, 1e-6)
+        assert_same_tensors(out["int4/resumed"], out["int4"], "int4: resumed vs continuous", 0.0, 0.0)
+    shared = torch.load(trainer_results[0]["int4/path"], weights_only=True)["lightning_ddpx"]["shared"]
+    assert set(shared["in_flight"]) == {1} and shared["in_flight"][1]["apply_at"] == EPOCH_STEPS + 2
+    assert (
+        shared["in_flight"][1]["mean_delta"].dtype == torch.float32
+    )  # decoded when the checkpoint is written
 
 
 def test_loggers_get_the_bytes_of_each_outer_sync(trainer_results):

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning_ddpx.hooks.diloco import DiLoCoOptions, DiLoCoState, fragment_of_parameters
+from lightning_ddpx.hooks.outer_exchange import BLOCK, dequantize, quantize
 from lightning_ddpx.lightning.config import DDPXConfig
 from tests.dist_utils import one_rank_group
 
@@ -60,6 +61,23 @@ def test_fragments_are_contiguous_and_balanced_by_elements() -> None:
     assert [o.offset(f) for f in range(4)] == [2, 5, 7, 10]
 
 
+@pytest.mark.parametrize(("bits", "row_bytes"), [(8, 2 * BLOCK + 2 * 4), (4, BLOCK + 2 * 4)])
+def test_quantized_codes_round_to_the_nearest_level_of_each_blocks_scale(bits: int, row_bytes: int) -> None:
+    torch.manual_seed(0)
+    rows = torch.randn(3, 2 * BLOCK) * torch.tensor([[1e-3], [10.0], [0.0]])
+    rows[1, BLOCK:] *= 1e-4  # a second block of much smaller values keeps its own scale
+    payload = quantize(rows, bits)
+    assert payload.dtype == torch.uint8 and payload.shape == (3, row_bytes)
+    decoded = dequantize(payload, bits, 2 * BLOCK)
+    qmax = 2 ** (bits - 1) - 1
+    blocks, got = rows.view(3, 2, BLOCK), decoded.view(3, 2, BLOCK)
+    half_step = blocks.abs().amax(dim=2, keepdim=True) / qmax / 2
+    assert ((blocks - got).abs() <= half_step * (1 + 1e-6)).all()
+    assert torch.equal(decoded[2], torch.zeros(2 * BLOCK))  # an all-zero block decodes to zeros
+    extremes = blocks.abs().argmax(dim=2, keepdim=True)  # each block's largest value is exact
+    torch.testing.assert_close(got.gather(2, extremes), blocks.gather(2, extremes), rtol=1e-6, atol=0)
+
+
 def test_an_unattached_state_says_how_to_attach_it() -> None:
     with pytest.raises(RuntimeError, match=r"DiLoCoState.attach\(module.parameters\(\)\)"):
         DiLoCoState(DiLoCoOptions(period=2)).averager.average_parameters([])
@@ -74,10 +92,13 @@ def _step(model: nn.Module, state: DiLoCoState, optimizer: torch.optim.Optimizer
     state.averager.average_parameters(optimizer.param_groups)
 
 
-def _run(steps: int, saved: bytes | None = None, save_at: int | None = None):
+ROUND_TRIP_OPTIONS = {"period": 4, "fragments": 2, "overlap_steps": 1, "precision": "fp16"}
+
+
+def _run(steps: int, saved: bytes | None = None, save_at: int | None = None, options: dict | None = None):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
-    state = DiLoCoState(DiLoCoOptions(period=4, fragments=2, overlap_steps=1, precision="fp16"))
+    state = DiLoCoState(DiLoCoOptions(**(options or ROUND_TRIP_OPTIONS)))
     state.attach(model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     first = 0
@@ -100,22 +121,31 @@ def _run(steps: int, saved: bytes | None = None, save_at: int | None = None):
     return model, state, out
 
 
-def test_state_round_trips_through_a_weights_only_checkpoint_with_an_exchange_in_flight() -> None:
+@pytest.mark.parametrize(
+    ("precision", "overlap", "save_at", "dtype"),
+    [
+        ("fp16", 1, 6, torch.float16),  # fragment 1 sent at 4 applied at 5; fragment 0 sent at 6: in flight
+        ("int4", 2, 6, torch.float32),  # fragment 0 sent at 6, its first phase in flight
+        ("int8", 2, 7, torch.float32),  # fragment 0 sent at 6, its second phase started at 7
+    ],
+)
+def test_state_round_trips_through_a_weights_only_checkpoint_with_an_exchange_in_flight(
+    precision: str, overlap: int, save_at: int, dtype: torch.dtype
+) -> None:
+    options = {**ROUND_TRIP_OPTIONS, "precision": precision, "overlap_steps": overlap}
     with one_rank_group():
-        model, state, _ = _run(13)
-        _, _, saved = _run(
-            13, save_at=6
-        )  # fragment 1 sent at 4 applied at 5; fragment 0 sent at 6: in flight
+        model, state, _ = _run(13, options=options)
+        _, _, saved = _run(13, save_at=save_at, options=options)
         checkpoint = torch.load(io.BytesIO(saved), weights_only=True)["diloco"]
         assert checkpoint["per_rank"] == {}
         shared = checkpoint["shared"]
         assert (
-            shared["step"] == 6
+            shared["step"] == save_at
             and set(shared["in_flight"]) == {0}
-            and shared["in_flight"][0]["apply_at"] == 7
+            and shared["in_flight"][0]["apply_at"] == 6 + overlap
         )
-        assert shared["in_flight"][0]["mean_delta"].dtype == torch.float16
-        resumed, resumed_state, _ = _run(13, saved=saved)
+        assert shared["in_flight"][0]["mean_delta"].dtype == dtype
+        resumed, resumed_state, _ = _run(13, saved=saved, options=options)
         for a, b in zip(model.parameters(), resumed.parameters()):
             assert torch.equal(a, b)
         assert (resumed_state.step, resumed_state.syncs, resumed_state.bytes_sent) == (

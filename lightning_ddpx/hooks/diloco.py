@@ -13,7 +13,7 @@ on a staggered schedule (fragment ``f`` at steps ``o_f, o_f + H, o_f + 2H, ...``
 background while ``tau`` more inner steps are computed (``overlap_steps``), and its result is applied
 then: the outer step gives the fragment's new global value ``g``, and the replica's fragment becomes
 ``alpha * local + (1 - alpha) * g`` (``mixing``; 0 keeps nothing of the ``tau`` local steps). The delta
-may be sent in bf16 or fp16 (``precision``). With ``F = 1``, ``tau = 0``, ``alpha = 0`` this is DiLoCo.
+may be sent in bf16 or fp16, or quantized to 8 or 4 bits (``precision``; :mod:`~lightning_ddpx.hooks.outer_exchange`). With ``F = 1``, ``tau = 0``, ``alpha = 0`` this is DiLoCo.
 
 During inner steps the module's gradients must not be all-reduced: the registered hook
 (:func:`diloco_local_gradients_hook`) hands each bucket back untouched. The outer step runs after every
@@ -36,10 +36,10 @@ import torch
 import torch.distributed as dist
 
 from lightning_ddpx.engine.backend_support import bf16_reduction_problem
-from lightning_ddpx.engine.errors import waiting_for
 from lightning_ddpx.engine.grad_bucket import collectives_issued_on_call
 from lightning_ddpx.hooks.default import noop_hook
 from lightning_ddpx.hooks.model_averaging import ModelAverager, ParamsOrGroups
+from lightning_ddpx.hooks.outer_exchange import PRECISIONS, CompletedMean, OuterExchange, start_exchange
 
 __all__ = [
     "DiLoCoOptions",
@@ -50,7 +50,6 @@ __all__ = [
     "fragment_of_parameters",
 ]
 
-PRECISIONS: dict[str, Optional[torch.dtype]] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 STATE_FORMAT = 1
 _KEPT_SYNCS = 1024  # untaken exchange records kept (bytes_sent keeps the total regardless)
 
@@ -81,7 +80,9 @@ class DiLoCoOptions:
     fragments: int = 1  # F: streaming DiLoCo when > 1
     overlap_steps: int = 0  # tau: inner steps computed while a fragment's exchange is in flight
     mixing: float = 0.0  # alpha: weight of the local fragment when the global one arrives
-    precision: str = "fp32"  # of the outer all-reduce: "fp32" (the parameters' dtype), "bf16", "fp16"
+    precision: str = (
+        "fp32"  # of the outer exchange: "fp32" (the parameters' dtype), "bf16", "fp16", "int8", "int4"
+    )
 
     def __post_init__(self) -> None:
         period = _integer("period", self.period, 1)
@@ -112,7 +113,7 @@ class DiLoCoOptions:
         object.__setattr__(self, "mixing", _number("mixing", self.mixing, 0.0, 1.0))
         if self.precision not in PRECISIONS:
             raise ValueError(
-                f"diloco option precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}."
+                f"diloco option precision must be one of {list(PRECISIONS)}, got {self.precision!r}."
             )
 
     @classmethod
@@ -166,8 +167,7 @@ class OuterSync:
 @dataclass
 class _InFlight:
     apply_at: int  # inner step after which the result is applied
-    payload: torch.Tensor  # the mean delta, once ``work`` completed
-    work: Any  # torch.distributed Work, or None when complete
+    exchange: OuterExchange  # its result: the mean delta
 
 
 class DiLoCoState:
@@ -248,6 +248,9 @@ class DiLoCoState:
             start = o.offset(fragment)
             if step >= start and (step - start) % o.period == 0:
                 self._send(fragment, step)
+        for in_flight in self._in_flight.values():
+            if in_flight.apply_at - o.overlap_steps + 1 == step:  # sent one step ago: next phase, if any
+                in_flight.exchange.advance()
         applied = False
         for fragment in sorted(self._in_flight):
             if self._in_flight[fragment].apply_at == step:
@@ -271,36 +274,24 @@ class DiLoCoState:
 
     def _send(self, fragment: int, step: int) -> None:
         indices = self.fragment_params(fragment)
+        overlap = self.options.overlap_steps
         with torch.no_grad():
             delta = torch.cat([(self.anchors[i] - self.params[i].detach()).reshape(-1) for i in indices])
-            dtype = PRECISIONS[self.options.precision]
-            payload = delta.to(dtype) if dtype is not None else delta
-            world_size = dist.get_world_size(self.process_group)
-            payload.div_(world_size)
-            overlap = self.options.overlap_steps
-            with waiting_for(f"every rank's DiLoCo outer delta (fragment {fragment})", self.process_group):
-                work = dist.all_reduce(payload, group=self.process_group, async_op=overlap > 0)
-        nbytes = payload.numel() * payload.element_size()
-        self.bytes_sent += nbytes
-        self._new_syncs.append(OuterSync(step, fragment, nbytes))
+            exchange = start_exchange(
+                delta, self.options.precision, self.process_group, async_op=overlap > 0,
+                what=f"DiLoCo outer delta (fragment {fragment})",
+            )  # fmt: skip
+        self.bytes_sent += exchange.bytes_sent
+        self._new_syncs.append(OuterSync(step, fragment, exchange.bytes_sent))
         del self._new_syncs[:-_KEPT_SYNCS]  # nobody taking them (statistics off): keep the latest only
-        self._in_flight[fragment] = _InFlight(step + overlap, payload, work if overlap > 0 else None)
-
-    def _wait(self, in_flight: _InFlight, fragment: int) -> None:
-        if in_flight.work is not None:
-            with waiting_for(
-                f"the DiLoCo outer all-reduce of fragment {fragment} sent at an earlier step",
-                self.process_group,
-            ):
-                in_flight.work.wait()
-            in_flight.work = None
+        self._in_flight[fragment] = _InFlight(step + overlap, exchange)
 
     def _apply(self, fragment: int) -> None:
         in_flight = self._in_flight.pop(fragment)
-        self._wait(in_flight, fragment)
+        with torch.no_grad():
+            mean, offset = in_flight.exchange.result(), 0
         indices = self.fragment_params(fragment)
         assert self.outer_optimizer is not None
-        mean, offset = in_flight.payload, 0
         alpha = self.options.mixing
         with torch.no_grad():
             for i in indices:
@@ -336,8 +327,9 @@ class DiLoCoState:
 
     def finish(self) -> None:
         """Wait for exchanges still in flight (their results stay pending, as in a checkpoint)."""
-        for fragment, in_flight in self._in_flight.items():
-            self._wait(in_flight, fragment)
+        with torch.no_grad():
+            for in_flight in self._in_flight.values():
+                in_flight.exchange.result()
 
     def take_syncs(self) -> list[OuterSync]:
         """The exchanges sent since the last call (what the strategies log)."""
@@ -359,7 +351,7 @@ class DiLoCoState:
             "anchors": [a.detach().clone() for a in self.anchors],
             "outer_optimizer": optimizer,
             "in_flight": {
-                f: {"apply_at": x.apply_at, "mean_delta": x.payload.clone()}
+                f: {"apply_at": x.apply_at, "mean_delta": x.exchange.result().clone()}
                 for f, x in self._in_flight.items()
             },
         }
@@ -396,7 +388,7 @@ class DiLoCoState:
         self.bytes_sent = int(shared["bytes_sent"])
         device = self.anchors[0].device
         self._in_flight = {
-            int(f): _InFlight(int(x["apply_at"]), x["mean_delta"].to(device), None)
+            int(f): _InFlight(int(x["apply_at"]), CompletedMean(x["mean_delta"].to(device)))
             for f, x in shared["in_flight"].items()
         }
         self._new_syncs = []

@@ -141,8 +141,8 @@ class DDPXConfig:
         None,
         'options of ``comm_hook="diloco"``: ``period`` (H, inner steps between syncs), ``outer_lr``, '
         "``outer_momentum``, ``nesterov``, ``fragments`` and ``overlap_steps`` (streaming DiLoCo), ``mixing``, "
-        '``precision`` of the outer all-reduce (``"fp32"``, ``"bf16"``, ``"fp16"``), as a ``DiLoCoOptions`` or '
-        "a dict. See docs/diloco.md.",
+        '``precision`` of the outer exchange (``"fp32"``, ``"bf16"``, ``"fp16"``, or quantized ``"int8"``, '
+        '``"int4"``), as a ``DiLoCoOptions`` or a dict. See docs/diloco.md.',
     )
     bucket_cap_mb: Optional[float] = _option(
         None,
