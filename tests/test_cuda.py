@@ -668,3 +668,50 @@ def test_trainer_on_one_gpu_matches_ddp(trainer_results, precision):
     torch.testing.assert_close(
         trainer_results[f"{precision} ddpx"], trainer_results[f"{precision} ddp"], rtol=1e-5, atol=1e-6
     )
+
+
+# ------------------------------------------------------------------------- DiLoCo's quantized exchanges
+@pytest.mark.cuda
+@needs_gpus(1)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_outer_deltas_are_the_same_bytes_on_the_gpu(bits):
+    from lightning_ddpx.hooks.outer_exchange import BLOCK, dequantize, quantize
+
+    torch.manual_seed(0)
+    values = torch.randn(4, 4 * BLOCK) * torch.logspace(-6, 2, 4).view(4, 1)
+    on_cpu, on_gpu = quantize(values, bits), quantize(values.cuda(), bits)
+    assert torch.equal(on_gpu.cpu(), on_cpu)
+    assert torch.equal(dequantize(on_gpu, bits, 4 * BLOCK).cpu(), dequantize(on_cpu, bits, 4 * BLOCK))
+
+
+def run_quantized_exchanges_on_one_gpu(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """Both ranks on cuda:0 over gloo: the all-to-all and the all-gather of int8/int4 codes on CUDA tensors,
+    against the same exchange of the same deltas on the CPU."""
+    from lightning_ddpx.hooks.outer_exchange import start_exchange
+
+    torch.cuda.set_device(0)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=120),
+    )  # fmt: skip
+    delta = torch.randn(3000, generator=torch.Generator().manual_seed(rank))
+    out = {}
+    for precision in ("int8", "int4"):
+        for device in ("cpu", "cuda"):
+            exchange = start_exchange(delta.to(device), precision, None, async_op=True, what="a test delta")
+            exchange.advance()
+            out[f"{precision} {device}"] = exchange.result().cpu()
+    return out
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@needs_gpus(1)
+def test_quantized_outer_exchanges_on_cuda_tensors_equal_the_cpus():
+    results = run_distributed(run_quantized_exchanges_on_one_gpu, 2, init_process_group=False, timeout=300)
+    for precision in ("int8", "int4"):
+        reference = results[0][f"{precision} cpu"]
+        for out in results:
+            assert torch.equal(out[f"{precision} cuda"], reference) and torch.equal(
+                out[f"{precision} cpu"], reference
+            )
