@@ -262,3 +262,15 @@ def test_replica_check_benchmark_runs_end_to_end(tmp_path) -> None:
     )
     tiny = json.loads(out.read_text())["models"]["tiny"]
     assert set(tiny["cost_share"]) == {"1", "10", "100"} and tiny["median_s"]["verify"] > 0
+
+
+@pytest.mark.slow
+def test_step_phases_benchmark_prints_each_wrappers_extra_time_per_phase() -> None:
+    completed = run_benchmark(
+        "bench_step_phases.py", "--models", "tiny300", "--rounds", "2", "--block", "1", "--without", "scale",
+    )  # fmt: skip
+    lines = completed.stdout.splitlines()
+    assert "ours without: scale" in lines[0]
+    rows = [line.split() for line in lines[2:]]
+    assert [row[:2] for row in rows] == [["tiny300", "torch"], ["tiny300", "ours"]]
+    assert all(len(row) == 7 for row in rows)  # four phases and the total, in microseconds
