@@ -382,9 +382,7 @@ def test_hook_matches_torch_ddp_over_nccl(nccl_results, name):
 ONE_GPU_HOOKS = [name for name in sorted(HOOK_PAIRS) if name != "post_local_sgd"]
 
 
-def run_hooks_over_gloo_on_one_gpu(rank: int, world_size: int) -> dict[str, str]:
-    """Both ranks on cuda:0 over gloo (NCCL refuses two ranks on one GPU): our CUDA path -- bucket copies,
-    hook launch and result waits on streams -- against torch's DDP on the same devices and backend."""
+def _init_gloo_on_one_gpu(rank: int, world_size: int) -> None:
     torch.cuda.set_device(0)
     dist.init_process_group(
         "gloo",
@@ -393,6 +391,12 @@ def run_hooks_over_gloo_on_one_gpu(rank: int, world_size: int) -> dict[str, str]
         world_size=world_size,
         timeout=timedelta(seconds=120),
     )
+
+
+def run_hooks_over_gloo_on_one_gpu(rank: int, world_size: int) -> dict[str, str]:
+    """Both ranks on cuda:0 over gloo (NCCL refuses two ranks on one GPU): our CUDA path -- bucket copies,
+    hook launch and result waits on streams -- against torch's DDP on the same devices and backend."""
+    _init_gloo_on_one_gpu(rank, world_size)
     checks: dict[str, Callable[[], None]] = {}
     for name in ONE_GPU_HOOKS:
         checks[name] = functools.partial(_train_pair, rank, name, 0)
@@ -689,11 +693,7 @@ def run_quantized_exchanges_on_one_gpu(rank: int, world_size: int) -> dict[str, 
     against the same exchange of the same deltas on the CPU."""
     from lightning_ddpx.hooks.outer_exchange import start_exchange
 
-    torch.cuda.set_device(0)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=rank, world_size=world_size,
-        timeout=timedelta(seconds=120),
-    )  # fmt: skip
+    _init_gloo_on_one_gpu(rank, world_size)
     delta = torch.randn(3000, generator=torch.Generator().manual_seed(rank))
     out = {}
     for precision in ("int8", "int4"):
