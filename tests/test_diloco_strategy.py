@@ -309,8 +309,8 @@ def test_yaml_config_trains_and_checkpoints_the_outer_state(tmp_path):
     checkpoint = run_cli(["--config", str(config), "--trainer.strategy.diloco.period=4"], tmp_path)
     entry = torch.load(checkpoint, weights_only=True)["lightning_ddpx"]
     assert entry["hook"] == "diloco" and entry["world_size"] == 2
-    # max_steps=6, overlap 2: fragment 0 sent at 2 and 6, fragment 1 at 4; applied at 4 and 6
+    # max_steps=6, overlap 1: fragment 0 sent at 2 and 6, fragment 1 at 4; applied at 3 and 5
     shared = entry["shared"]
     assert (shared["step"], shared["syncs"], set(shared["in_flight"])) == (6, 2, {0})
     saved = (tmp_path / "lightning_logs" / "version_0" / "config.yaml").read_text()
-    assert "comm_hook: diloco" in saved and "period: 4" in saved and "precision: bf16" in saved
+    assert "comm_hook: diloco" in saved and "period: 4" in saved and "precision: int4" in saved
