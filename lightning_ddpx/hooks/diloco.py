@@ -13,7 +13,8 @@ on a staggered schedule (fragment ``f`` at steps ``o_f, o_f + H, o_f + 2H, ...``
 background while ``tau`` more inner steps are computed (``overlap_steps``), and its result is applied
 then: the outer step gives the fragment's new global value ``g``, and the replica's fragment becomes
 ``alpha * local + (1 - alpha) * g`` (``mixing``; 0 keeps nothing of the ``tau`` local steps). The delta
-may be sent in bf16 or fp16, or quantized to 8 or 4 bits (``precision``; :mod:`~lightning_ddpx.hooks.outer_exchange`). With ``F = 1``, ``tau = 0``, ``alpha = 0`` this is DiLoCo.
+may be sent in bf16 or fp16, or quantized to 8 or 4 bits (``precision``;
+:mod:`~lightning_ddpx.hooks.outer_exchange`). With ``F = 1``, ``tau = 0``, ``alpha = 0`` this is DiLoCo.
 
 During inner steps the module's gradients must not be all-reduced: the registered hook
 (:func:`diloco_local_gradients_hook`) hands each bucket back untouched. The outer step runs after every
@@ -80,9 +81,8 @@ class DiLoCoOptions:
     fragments: int = 1  # F: streaming DiLoCo when > 1
     overlap_steps: int = 0  # tau: inner steps computed while a fragment's exchange is in flight
     mixing: float = 0.0  # alpha: weight of the local fragment when the global one arrives
-    precision: str = (
-        "fp32"  # of the outer exchange: "fp32" (the parameters' dtype), "bf16", "fp16", "int8", "int4"
-    )
+    # of the outer exchange: "fp32" (the parameters' dtype), "bf16", "fp16", or quantized "int8", "int4"
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         period = _integer("period", self.period, 1)
