@@ -266,3 +266,15 @@ def test_the_convergence_bench_validates_diloco_on_the_global_model() -> None:
             recorder.on_validation_end(trainer, None)
             assert all(torch.equal(p, saved) for p, saved in zip(model.parameters(), local))
         assert seen == [True, True]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_non_finite_change_stays_non_finite_through_the_codes(bits: int) -> None:
+    """A diverged replica (NaN or inf in its change) must show as non-finite values in the mean, as with an fp32
+    all-reduce, never as finite codes that would train on silently."""
+    rows = torch.ones(3, 2 * BLOCK)
+    rows[0, 5], rows[1, BLOCK + 7] = float("nan"), float("inf")
+    decoded = dequantize(quantize(rows, bits), bits, 2 * BLOCK)
+    assert not decoded[0, :BLOCK].isfinite().any() and not decoded[1, BLOCK:].isfinite().any()
+    # the other blocks decode exactly (ones)
+    assert torch.equal(decoded[0, BLOCK:], rows[0, BLOCK:]) and torch.equal(decoded[2], rows[2])
