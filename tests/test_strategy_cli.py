@@ -108,7 +108,7 @@ def test_every_shipped_config_builds_its_strategy(config, cli_train, monkeypatch
         assert strategy.post_local_sgd.period == 4  # model_averaging_period, filled in
     if config.stem == "diloco":
         o = strategy.diloco
-        assert (o.period, o.fragments, o.overlap_steps, o.precision, o.nesterov) == (20, 2, 2, "bf16", True)
+        assert (o.period, o.fragments, o.overlap_steps, o.precision, o.nesterov) == (20, 2, 1, "int4", True)
 
 
 @pytest.mark.slow
