@@ -288,12 +288,11 @@ class DiLoCoState:
 
     def _apply(self, fragment: int) -> None:
         in_flight = self._in_flight.pop(fragment)
-        with torch.no_grad():
-            mean, offset = in_flight.exchange.result(), 0
         indices = self.fragment_params(fragment)
         assert self.outer_optimizer is not None
         alpha = self.options.mixing
         with torch.no_grad():
+            mean, offset = in_flight.exchange.result(), 0
             for i in indices:
                 anchor = self.anchors[i]
                 anchor.grad = mean[offset : offset + anchor.numel()].view_as(anchor).to(anchor.dtype)

@@ -52,7 +52,6 @@ FLOAT_PRECISIONS: dict[str, Optional[torch.dtype]] = {
 QUANTIZED_BITS: dict[str, int] = {"int8": 8, "int4": 4}
 PRECISIONS: tuple[str, ...] = (*FLOAT_PRECISIONS, *QUANTIZED_BITS)
 BLOCK = 128  # elements per scale: 4 bytes of scale per 128 codes (3 % of an int4 payload)
-_SCALE_BYTES = 4
 
 
 # ------------------------------------------------------------------------------------------- codec
@@ -88,10 +87,6 @@ def dequantize(payload: torch.Tensor, bits: int, row_numel: int) -> torch.Tensor
         nibbles = torch.stack([packed & 0x0F, packed >> 4], dim=2).reshape(rows, -1)
         codes = nibbles.to(torch.float32) - 8
     return (codes.reshape(rows, -1, BLOCK) * scales).reshape(rows, row_numel)
-
-
-def payload_row_bytes(row_numel: int, bits: int) -> int:
-    return row_numel * bits // 8 + row_numel // BLOCK * _SCALE_BYTES
 
 
 # --------------------------------------------------------------------------------------- exchanges
