@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from benchmarks.common import (
     MODELS,
@@ -225,6 +226,23 @@ def test_per_parameter_benchmark_runs_end_to_end() -> None:
         "--gradient-as-bucket-view",
     )
     assert "gradient_as_bucket_view=True" in completed.stdout
+    completed = run_benchmark("bench_per_parameter.py", "--models", "tiny", "--rounds", "4", "--hook-floor")
+    row = next(line for line in completed.stdout.splitlines() if line.startswith("tiny"))
+    assert "accumulator-hook" in row and "tensor-hook" in row
+
+
+@pytest.mark.parametrize("kind", ["accumulator-hook", "tensor-hook"])
+def test_hook_floor_contenders_run_their_hook_once_per_gradient(kind: str, monkeypatch) -> None:
+    """The hook-floor contenders measure a hook that backward really calls, once per parameter per backward
+    (an accumulator nobody held would be made anew at each backward, without the hook)."""
+    from benchmarks import bench_per_parameter
+
+    calls: list[int] = []
+    monkeypatch.setattr(bench_per_parameter, "_ignore", lambda *args: calls.append(1))
+    model = bench_per_parameter.with_noop_hooks(build_model("tiny"), kind)
+    for _ in range(2):
+        model(torch.randn(MODELS["tiny"].input_shape)).sum().backward()
+    assert len(calls) == 2 * len(list(model.parameters()))
 
 
 def test_overlap_benchmark_runs_end_to_end(tmp_path) -> None:
