@@ -278,3 +278,21 @@ def test_a_non_finite_change_stays_non_finite_through_the_codes(bits: int) -> No
     assert not decoded[0, :BLOCK].isfinite().any() and not decoded[1, BLOCK:].isfinite().any()
     # the other blocks decode exactly (ones)
     assert torch.equal(decoded[0, BLOCK:], rows[0, BLOCK:]) and torch.equal(decoded[2], rows[2])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8", "int4"])
+def test_a_fragment_of_empty_parameters_trains_in_every_precision(precision: str) -> None:
+    """A zero-element parameter may form a fragment on its own: its exchange sends nothing and applies
+    nothing, and the other fragment's outer steps go on (int8/int4 used to fail on the empty codes)."""
+    with one_rank_group():
+        params = [torch.nn.Parameter(torch.randn(100)), torch.nn.Parameter(torch.empty(0))]
+        state = DiLoCoState(DiLoCoOptions(period=2, fragments=2, precision=precision))
+        state.attach(params)
+        assert state.fragment_of == [0, 1]
+        initial = params[0].detach().clone()
+        for _ in range(4):
+            with torch.no_grad():
+                params[0].add_(0.1)
+            state.averager.average_parameters(None)
+        assert state.syncs == 4 and params[1].numel() == 0
+        assert not torch.equal(state.anchors[0], initial)  # the outer steps moved the other fragment

@@ -185,7 +185,10 @@ def start_exchange(
     delta: torch.Tensor, precision: str, group: Optional[dist.ProcessGroup], async_op: bool, what: str
 ) -> OuterExchange:
     """Start averaging ``delta`` (flat) over the ranks of ``group`` in ``precision``; ``what`` names it in
-    hang reports."""
+    hang reports. A fragment of zero-element parameters has nothing to send: its (empty) mean is known at
+    once, on every rank alike (the parameters' shapes are the same on every rank)."""
+    if delta.numel() == 0:
+        return CompletedMean(delta.reshape(-1).to(torch.float32))
     if precision in QUANTIZED_BITS:
         return QuantizedMean(delta, QUANTIZED_BITS[precision], group, async_op, what)
     return AllReducedMean(delta, FLOAT_PRECISIONS[precision], group, async_op, what)
