@@ -7,6 +7,7 @@ order after the first iteration), because a bucket can only be launched once all
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass, replace
 from typing import Hashable, Sequence
@@ -31,11 +32,12 @@ DEFAULT_FIRST_BUCKET_CAP_MB = 1.0  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES
 
 
 def is_bucket_cap(value: object) -> bool:
-    """Whether ``value`` is a valid ``bucket_cap_mb`` / ``first_bucket_cap_mb``: a positive number of MiB
-    (not a bool), or ``None`` for torch's default. One rule for the module and the strategies' options."""
+    """Whether ``value`` is a valid ``bucket_cap_mb`` / ``first_bucket_cap_mb``: a positive, finite number of
+    MiB (not a bool; an infinite cap has no byte count), or ``None`` for torch's default. One rule for the
+    module and the strategies' options."""
     if value is None:
         return True
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
 
 
 def resolve_bucket_caps(

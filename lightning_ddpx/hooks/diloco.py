@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import numbers
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Optional
@@ -62,8 +63,8 @@ def _integer(name: str, value: Any, minimum: int) -> int:
 
 
 def _number(name: str, value: Any, low: float, high: Optional[float] = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= low:
-        raise ValueError(f"diloco option {name} must be a number >= {low}, got {value!r}.")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not low <= value < math.inf:
+        raise ValueError(f"diloco option {name} must be a finite number >= {low}, got {value!r}.")
     if high is not None and value > high:
         raise ValueError(f"diloco option {name} must be between {low} and {high}, got {value!r}.")
     return float(value)
