@@ -91,6 +91,23 @@ def test_check_reduction_warns_like_torch(strategy):
         strategy(check_reduction=False)
 
 
+TRUE_FALSE_OPTIONS = [
+    "find_unused_parameters", "broadcast_buffers", "gradient_as_bucket_view", "static_graph", "init_sync",
+    "forward_sync_buffers", "skip_all_reduce_unused_params", "batched_grad_copy", "check_reduction",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("name", TRUE_FALSE_OPTIONS)
+@pytest.mark.parametrize("value", ["False", 0, 1.0])
+def test_true_false_options_refuse_other_values_by_name(strategy, name, value):
+    """``"False"`` would count as true: every True/False option of torch's DDP the strategies take is checked
+    to be a bool (``forward_sync_buffers`` may also be None, torch's default)."""
+    with pytest.raises(TypeError, match=rf"{name} must be True(, False or None| or False), got {value!r}"):
+        strategy(**{name: value})
+    strategy(**{name: name != "check_reduction"})  # a bool passes (check_reduction=True would warn)
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_honoured_arguments_reach_the_config(strategy):
     s = strategy(static_graph=True, init_sync=False, forward_sync_buffers=False, skip_all_reduce_unused_params=True,

@@ -158,6 +158,11 @@ def test_options_are_validated_with_the_option_named(kwargs: dict, match: str) -
         ({"matrix_approximation_rank": 1.5}, "matrix_approximation_rank must be an integer"),
         ({"warm_start": 1}, "warm_start must be True or False"),
         ({"min_compression_rate": float("nan")}, "min_compression_rate must be a finite number"),
+        (
+            {"min_compression_rate": 10**400},
+            "min_compression_rate must be a finite number",
+        ),  # no float holds it
+        ({"orthogonalization_epsilon": float("inf")}, "orthogonalization_epsilon must be a finite number"),
         ({"start_powerSGD_iter": True}, "start_powerSGD_iter must be an integer"),
     ],
 )

@@ -90,3 +90,16 @@ def test_docs_tables_are_made_from_the_declarations() -> None:
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr + "\nrun: python scripts/options_tables.py"
+
+
+def test_every_true_false_option_refuses_other_values_by_name() -> None:
+    """A string such as ``"False"`` would count as true; every option declared ``bool`` (a new one included)
+    refuses it, and 0/1, naming itself."""
+    flags = [f.name for f in dataclasses.fields(DDPXConfig) if f.type in ("bool", bool)]
+    assert {"find_unused_parameters", "static_graph", "overlap_optimizer", "init_sync"} <= set(flags)
+    for name in flags:
+        for value in ("False", 1):
+            with pytest.raises(
+                TypeError, match=rf"DDPXStrategy: {name} must be True or False, got {value!r}"
+            ):
+                DDPXConfig(**{name: value})

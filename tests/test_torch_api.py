@@ -8,6 +8,7 @@ warning category), or, for training, the same parameters after the same steps.
 # No ``from __future__ import annotations``: torch's DDP reads the hooks' annotations as objects (it refuses
 # annotations left as strings, which ours accepts: test_string_annotations_are_accepted).
 import copy
+import inspect
 import io
 import re
 import warnings
@@ -677,7 +678,6 @@ def test_refused_calls_are_logged_as_torchs(call: str) -> None:
 def test_every_torch_argument_is_accepted_at_its_default_and_refused_by_name_otherwise() -> None:
     """A drop-in takes torch's whole signature: code passing torch's arguments explicitly at their defaults
     runs unchanged; the ones for features not implemented here raise by name for any other value."""
-    import inspect
 
     from lightning_ddpx.engine.unsupported_options import UNSUPPORTED_TORCH_ARGUMENTS
 
@@ -691,3 +691,39 @@ def test_every_torch_argument_is_accepted_at_its_default_and_refused_by_name_oth
         for name in UNSUPPORTED_TORCH_ARGUMENTS:
             with pytest.raises(ValueError, match=rf"torch's argument {name}=.* is not supported: "):
                 lightning_ddpx.DistributedDataParallel(nn.Linear(2, 2), **{name: [1]})
+
+
+TRUE_FALSE_ARGUMENTS = [
+    name
+    for name, parameter in __import__("inspect")
+    .signature(lightning_ddpx.DistributedDataParallel)
+    .parameters.items()
+    if parameter.annotation in ("bool", "bool | None", bool)
+]
+
+
+def test_every_true_false_argument_is_checked_to_be_a_bool() -> None:
+    """torch's DDP only tests truthiness, so ``static_graph="False"`` would mean True. Every argument
+    annotated ``bool`` (found from the signature, so a new one is covered) refuses a string by name, and the
+    two that default to ``None`` accept it."""
+    assert len(TRUE_FALSE_ARGUMENTS) >= 9, TRUE_FALSE_ARGUMENTS  # the scan finds them
+    for name in TRUE_FALSE_ARGUMENTS:
+        with pytest.raises(TypeError, match=rf"{name} must be True(, False or None| or False), got 'False'"):
+            lightning_ddpx.DistributedDataParallel(nn.Linear(2, 2), **{name: "False"})
+    with one_rank_group():
+        for name in ("broadcast_buffers", "forward_sync_buffers"):
+            lightning_ddpx.DistributedDataParallel(nn.Linear(2, 2), **{name: None}).close()
+
+
+def test_caps_written_as_int_or_float_are_one_setting() -> None:
+    """Ranks compare their settings as text before the first reduction: ``bucket_cap_mb=25`` on one rank
+    and ``25.0`` on another plan the same buckets, so they must read the same."""
+    with one_rank_group():
+        as_int = lightning_ddpx.DistributedDataParallel(
+            nn.Linear(2, 2), bucket_cap_mb=25, first_bucket_cap_mb=1
+        )
+        as_float = lightning_ddpx.DistributedDataParallel(
+            nn.Linear(2, 2), bucket_cap_mb=25.0, first_bucket_cap_mb=1.0
+        )
+        assert as_int.settings() == as_float.settings()
+        as_int.close(), as_float.close()

@@ -32,12 +32,18 @@ DEFAULT_FIRST_BUCKET_CAP_MB = 1.0  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES
 
 
 def is_bucket_cap(value: object) -> bool:
-    """Whether ``value`` is a valid ``bucket_cap_mb`` / ``first_bucket_cap_mb``: a positive, finite number of
-    MiB (not a bool; an infinite cap has no byte count), or ``None`` for torch's default. One rule for the
-    module and the strategies' options."""
+    """Whether ``value`` is a valid ``bucket_cap_mb`` / ``first_bucket_cap_mb``: a finite number of MiB of at
+    least one byte (not a bool; a cap that rounds to 0 bytes, or an infinite one, has no bucket size), or
+    ``None`` for torch's default. One rule for the module and the strategies' options."""
     if value is None:
         return True
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        megabytes = float(value)
+    except OverflowError:  # an int too large for a float
+        return False
+    return math.isfinite(megabytes) and megabytes_to_bytes(megabytes) >= 1
 
 
 def resolve_bucket_caps(
@@ -47,9 +53,9 @@ def resolve_bucket_caps(
     default) means 25 MiB buckets after a 1 MiB first one; an explicit ``bucket_cap_mb`` sizes every bucket,
     the first included. ``first_bucket_cap_mb`` (ours, ``None`` by default) sets the first one explicitly.
     The same caps give the same buckets as torch's DDP, and so, past two ranks, the same sums."""
-    cap = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
+    cap = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else float(bucket_cap_mb)  # 25 and 25.0: one setting
     if first_bucket_cap_mb is not None:
-        return first_bucket_cap_mb, cap
+        return float(first_bucket_cap_mb), cap
     return (DEFAULT_FIRST_BUCKET_CAP_MB if bucket_cap_mb is None else cap), cap
 
 

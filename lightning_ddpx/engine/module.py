@@ -17,11 +17,13 @@ from torch import nn
 from torch.distributed.algorithms.join import Joinable
 
 from lightning_ddpx._compat.torch import inputs_to_device
+from lightning_ddpx.engine import reducer_messages
 from lightning_ddpx.engine.backend_support import check_bf16_hook
 from lightning_ddpx.engine.bucketing import is_bucket_cap, megabytes_to_bytes, resolve_bucket_caps
 from lightning_ddpx.engine.consistency import start_alike, verify_same_settings
 from lightning_ddpx.engine.errors import waiting_for
 from lightning_ddpx.engine.exit_threads import register_exit_handler
+from lightning_ddpx.engine.flags import check_flags
 from lightning_ddpx.engine.hook_signature import check_comm_hook
 from lightning_ddpx.engine.join import JoinableModule
 from lightning_ddpx.engine.module_reports import ModuleReports
@@ -37,7 +39,10 @@ from lightning_ddpx.engine.sparse import expects_sparse_gradients
 from lightning_ddpx.engine.static_graph import allow_late_static_graph, warn_find_unused_not_needed
 from lightning_ddpx.engine.synced_buffers import SyncedBuffers
 from lightning_ddpx.engine.trainable_set import TrainableSet
-from lightning_ddpx.engine.unsupported_options import refuse_unsupported_arguments
+from lightning_ddpx.engine.unsupported_options import (
+    UNSUPPORTED_TORCH_ARGUMENTS,
+    refuse_unsupported_arguments,
+)
 from lightning_ddpx.engine.usage_log import UsageLog, errors_logged
 from lightning_ddpx.engine.weak_calls import weakly
 
@@ -137,12 +142,7 @@ class DistributedDataParallel(nn.Module, JoinableModule, ModuleReports):
         self._usage_log = UsageLog()  # torch's usage-logger surface (_get_ddp_logging_data)
         # The driver's options that change collectives (a strategy's uneven_inputs...), compared across ranks
         self.driver_settings: dict[str, str] = {}
-        _check_arguments(module, bucket_cap_mb, first_bucket_cap_mb, check_reduction)
-        refuse_unsupported_arguments(
-            delay_all_reduce_named_params=delay_all_reduce_named_params, mixed_precision=mixed_precision,
-            param_to_hook_all_reduce=param_to_hook_all_reduce, device_mesh=device_mesh,
-            bucket_cap_mb_list=bucket_cap_mb_list,
-        )  # fmt: skip
+        _check_arguments(locals())  # before anything is built
         register_exit_handler()  # gloo may still be releasing the last collective at exit (engine.exit_threads)
         self.module = module
         # torch's ignore list (_set_params_and_buffers_to_ignore_for_model): neither checked, broadcast nor reduced
@@ -445,13 +445,7 @@ class DistributedDataParallel(nn.Module, JoinableModule, ModuleReports):
         must finish as it started.
         """
         if self.reducer.phase is Phase.REDUCING:
-            raise RuntimeError(
-                f"lightning_ddpx (rank {self.rank}): no_sync() was entered while this rank's backward is already "
-                "reducing gradients (from a gradient hook or a backward callback). This rank has already "
-                "started reducing buckets, so the other ranks would wait for the rest of them and fall out of "
-                "step. Enter no_sync() before the forward whose backward should not synchronise: whether a "
-                "backward synchronises is decided when its forward runs."
-            )
+            raise RuntimeError(reducer_messages.no_sync_while_reducing(self.rank))
         previous = self.require_backward_grad_sync
         self.require_backward_grad_sync = False
         self.reducer.allow_local_backward()
@@ -521,22 +515,39 @@ class DistributedDataParallel(nn.Module, JoinableModule, ModuleReports):
             self.reducer.load_order_state(state)
 
 
-def _check_arguments(
-    module: Any, bucket_cap_mb: float | None, first_bucket_cap_mb: float | None, check_reduction: bool
-) -> None:
-    """The module and the caps are what they must be; torch's deprecated ``check_reduction`` warns; no
-    default process group is an error."""
-    if not isinstance(module, nn.Module):
+# torch's True/False arguments and ours; the first two may be None (engine.flags)
+_FLAGS = (
+    "broadcast_buffers", "forward_sync_buffers", "init_sync", "check_reduction", "find_unused_parameters",
+    "gradient_as_bucket_view", "static_graph", "skip_all_reduce_unused_params", "batched_grad_copy",
+)  # fmt: skip
+
+
+def _check_arguments(arguments: dict[str, Any]) -> None:
+    """``DistributedDataParallel.__init__``'s arguments (by name): the module, the caps, the group and the
+    True/False options are what they must be, torch's arguments this module does not implement ``None``;
+    torch's deprecated ``check_reduction`` warns; no default process group is an error."""
+    if not isinstance(arguments["module"], nn.Module):
         raise TypeError(
-            f"lightning_ddpx.DistributedDataParallel wraps an nn.Module, got {type(module).__name__}"
+            f"lightning_ddpx.DistributedDataParallel wraps an nn.Module, got {type(arguments['module']).__name__}"
         )
-    for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
-        if not is_bucket_cap(value):
+    for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
+        if not is_bucket_cap(arguments[name]):
             raise ValueError(
-                f"lightning_ddpx.DistributedDataParallel: {name} must be a positive number of MiB, got {value!r} "
-                "or None (torch's default: 25 MiB buckets after a 1 MiB first one)."
+                f"lightning_ddpx.DistributedDataParallel: {name} must be a positive number of MiB (at least one "
+                f"byte, finite), got {arguments[name]!r}, or None (torch's default: 25 MiB buckets after a 1 MiB "
+                "first one)."
             )
-    if check_reduction:
+    process_group = arguments["process_group"]
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            "lightning_ddpx.DistributedDataParallel: process_group must be a torch.distributed.ProcessGroup "
+            f"(e.g. from dist.new_group(...)) or None for the default group, got {type(process_group).__name__}."
+        )
+    check_flags(
+        "lightning_ddpx.DistributedDataParallel", {name: arguments[name] for name in _FLAGS}, _FLAGS[:2]
+    )
+    refuse_unsupported_arguments(**{name: arguments[name] for name in UNSUPPORTED_TORCH_ARGUMENTS})
+    if arguments["check_reduction"]:
         warnings.warn(
             "lightning_ddpx.DistributedDataParallel: check_reduction is ignored (the reduction always "
             "completes); remove it. As torch says: The `check_reduction` argument in "

@@ -6,6 +6,7 @@ from typing import Sequence
 
 __all__ = [
     "backward_after_sync",
+    "no_sync_while_reducing",
     "ready_twice",
     "unfinished_reduction",
     "unused_parameters",
@@ -39,6 +40,16 @@ def backward_after_sync(rank: int) -> str:
         "Its gradients would stay on this rank and the ranks would step with different gradients (torch's DDP "
         "lets this pass silently). Combine the losses into one backward, or run the extra backward inside "
         "no_sync() and synchronise on a later one."
+    )
+
+
+def no_sync_while_reducing(rank: int) -> str:
+    return (
+        f"lightning_ddpx (rank {rank}): no_sync() was entered while this rank's backward is already "
+        "reducing gradients (from a gradient hook or a backward callback). This rank has already "
+        "started reducing buckets, so the other ranks would wait for the rest of them and fall out of "
+        "step. Enter no_sync() before the forward whose backward should not synchronise: whether a "
+        "backward synchronises is decided when its forward runs."
     )
 
 

@@ -21,6 +21,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_ddpx.engine.bucketing import is_bucket_cap
+from lightning_ddpx.engine.flags import check_flags
 from lightning_ddpx.engine.module import DistributedDataParallel
 from lightning_ddpx.engine.transport import hook_name
 from lightning_ddpx.hooks import (
@@ -77,8 +78,16 @@ def _positive_megabytes(name: str) -> Callable[[Any], None]:
     def check(value: Any) -> None:
         if not is_bucket_cap(value):
             raise ValueError(
-                f"DDPXStrategy: {name} must be a positive number of MiB or None (torch's default), got {value!r}."
+                f"DDPXStrategy: {name} must be a positive number of MiB or None (torch's default), at least one "
+                f"byte and finite, got {value!r}."
             )
+
+    return check
+
+
+def _flag(name: str) -> Callable[[Any], None]:
+    def check(value: Any) -> None:
+        check_flags("DDPXStrategy", {name: value})
 
     return check
 
@@ -157,19 +166,25 @@ class DDPXConfig:
         check=_positive_megabytes("first_bucket_cap_mb"),
     )
     find_unused_parameters: bool = _option(
-        False, "allow parameters that get no gradient in an iteration (walks the autograd graph each step)."
+        False,
+        "allow parameters that get no gradient in an iteration (walks the autograd graph each step).",
+        check=_flag("find_unused_parameters"),
     )
     broadcast_buffers: bool = _option(
         True,
         "copy rank 0's buffers (e.g. BatchNorm statistics) to every rank before each synchronised forward.",
+        check=_flag("broadcast_buffers"),
     )
     gradient_as_bucket_view: bool = _option(
-        False, "make ``param.grad`` views into the buckets (less memory, one copy fewer per step)."
+        False,
+        "make ``param.grad`` views into the buckets (less memory, one copy fewer per step).",
+        check=_flag("gradient_as_bucket_view"),
     )
     static_graph: bool = _option(
         False,
         "torch's: the first synchronised iteration records which parameters get gradients (and how often); "
         "afterwards no autograd-graph walk per step. See docs/engine.md (static graph).",
+        check=_flag("static_graph"),
     )
     overlap_optimizer: bool = _option(
         False,
@@ -185,6 +200,7 @@ class DDPXConfig:
         True,
         "torch's: check the model across ranks and broadcast rank 0's parameters and buffers at "
         "construction. ``False`` skips both (the ranks must already agree).",
+        check=_flag("init_sync"),
     )
     uneven_inputs: UnevenInputs = _option(
         "join",

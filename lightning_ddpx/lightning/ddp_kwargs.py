@@ -20,6 +20,7 @@ import importlib
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
+from lightning_ddpx.engine.flags import check_flags
 from lightning_ddpx.engine.unsupported_options import UNSUPPORTED_TORCH_ARGUMENTS
 
 if TYPE_CHECKING:
@@ -105,6 +106,7 @@ def check_passthrough_kwargs(kwargs: Mapping[str, Any], owner: str) -> None:
                 continue
             raise ValueError(f"{owner}: torch DDP argument {name}={_short(value)} is not supported: {why}")
         if name in _DEPRECATED_NO_OP:
+            check_flags(owner, {name: value})
             if value:
                 warnings.warn(
                     f"{owner}: {name}=True has no effect: {_DEPRECATED_NO_OP[name]}",
@@ -272,12 +274,13 @@ def _config_from(
     from lightning_ddpx.lightning.config import DDPXConfig
 
     check_passthrough_kwargs(passthrough, owner)
-    for name, value in (
-        ("skip_all_reduce_unused_params", skip_all_reduce_unused_params),
-        ("batched_grad_copy", batched_grad_copy),
-    ):
-        if not isinstance(value, bool):
-            raise TypeError(f"{owner}: {name} must be True or False, got {value!r}.")
+    flags = {
+        "skip_all_reduce_unused_params": skip_all_reduce_unused_params,
+        "batched_grad_copy": batched_grad_copy,
+        "forward_sync_buffers": forward_sync_buffers,
+        "broadcast_buffers": options.get("broadcast_buffers", True),  # merged with forward_sync_buffers below
+    }
+    check_flags(owner, flags, optional=("forward_sync_buffers",))
     hook, state, wrapper = merge_lightning_hook_args(
         options.pop("comm_hook", None),
         options.pop("comm_state", None),

@@ -70,7 +70,7 @@ class PowerSGDOptions:
                 raise TypeError(f"PowerSGD option {name} must be an integer, got {value!r}")
         for name in ("min_compression_rate", "orthogonalization_epsilon"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not _finite(value):
                 raise TypeError(f"PowerSGD option {name} must be a finite number, got {value!r}")
         if self.matrix_approximation_rank < 1:
             raise ValueError(
@@ -391,3 +391,11 @@ def _restored_shared(shared_in: dict[str, Any], keep_memory: bool) -> SharedMemo
         per_bucket={int(i): (int(c[0]), int(c[1])) for i, c in stats["per_bucket"].items()},
         next_stats_report=int(stats["next_report"]),
     )
+
+
+def _finite(value: numbers.Real) -> bool:
+    """``math.isfinite``, false for an integer too large for a float (it would raise ``OverflowError``)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
