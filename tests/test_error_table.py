@@ -394,6 +394,8 @@ CASES: list[Case] = [
          ("no parameters", "doesn't have any parameter that requires a gradient"), "one_rank"),
     Case("device_ids_for_cpu_module", lambda: DDP(net(), device_ids=[0]), ValueError,
          ("device_ids=[0]", "on cpu", "Leave both unset", "only work with"), "one_rank"),
+    Case("device_ids_not_a_list", lambda: DDP(net(), device_ids=0), TypeError,
+         ("device_ids must be a list of one device", "device_ids=[local_rank]", "got 0 (int)"), "one_rank"),
     Case("device_ids_several", lambda: DDP(net(), device_ids=[0, 1]), ValueError,
          ("device_ids=[0, 1]", "one process per GPU", "device_ids=[local_rank]"), "one_rank"),
     Case("check_reduction_deprecated", lambda: DDP(net(), check_reduction=True), FutureWarning,
