@@ -1,4 +1,4 @@
-"""The CUDA/NCCL path (issue 12 part 5): our module against torch's DDP over NCCL, for every registered hook.
+"""The CUDA/NCCL path: our module against torch's DDP over NCCL, for every registered hook.
 
 Marked ``cuda``; skipped, with the reason, where there are no GPUs (NCCL needs one GPU per rank: 2-rank
 tests need 2 GPUs). None of these has run yet: see docs/engine.md ("CUDA and NCCL") for what has and has

@@ -1,4 +1,4 @@
-"""Lightning features behave with "ddpx" exactly as with "ddp" (issue 12 part 4), and Lightning's / torch's
+"""Lightning features behave with "ddpx" exactly as with "ddp", and Lightning's / torch's
 DDP arguments given to DDPXStrategy act as documented (part 1).
 
 All runs happen in ONE 2-process job (module fixture), each feature trained with ``strategy="ddp"`` (torch's

@@ -1,4 +1,4 @@
-"""``static_graph=True`` (issue 12 part 3): oracle tests against torch's DDP ``static_graph=True`` on 2 gloo ranks.
+"""``static_graph=True``: oracle tests against torch's DDP ``static_graph=True`` on 2 gloo ranks.
 
 Every scenario trains ours and torch's side by side (tests/oracle.py) with rank-dependent data and compares
 gradients, parameters and buffers after every step (rtol 1e-6). Where torch's static graph cannot run

@@ -24,8 +24,7 @@ from tests.dist_utils import run_job
 def test_accepts_every_ddp_strategy_argument():
     ours = inspect.signature(DDPXStrategy.__init__).parameters
     lightning = inspect.signature(DDPStrategy.__init__).parameters
-    not_here = {"model_averaging_period"}  # issue 12 part 2, on another branch
-    assert set(lightning) - not_here <= set(ours)  # torch DDP kwargs: tests/test_ddp_kwargs.py
+    assert set(lightning) <= set(ours)  # torch DDP kwargs: tests/test_ddp_kwargs.py
     for name in ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
                  "process_group_backend", "timeout", "start_method"):  # fmt: skip
         assert ours[name].default == lightning[name].default, name
