@@ -1,5 +1,5 @@
 """Lightning features behave with "ddpx" exactly as with "ddp", and Lightning's / torch's
-DDP arguments given to DDPXStrategy act as documented (part 1).
+DDP arguments given to DDPXStrategy act as documented.
 
 All runs happen in ONE 2-process job (module fixture), each feature trained with ``strategy="ddp"`` (torch's
 DDP under Lightning) and with ``"ddpx"`` from the same seed on the same rank-dependent data; each test then
