@@ -243,3 +243,61 @@ def test_fabric_matches_torch_by_hand_and_resumes_exactly(tmp_path):
         assert out["state"] == (START, 10)
         assert_same_tensors(out["fabric"], out["torch"], "Fabric vs torch by hand", 1e-6, 1e-6)
         assert_same_tensors(out["resumed"], out["fabric"], "resumed vs continuous", 0.0, 0.0)
+
+
+# ------------------------------------------------------------------------ several optimizers taking turns
+def replica_gap(module: nn.Module) -> float:
+    """The largest difference between this rank's parameters and the ranks' mean (every rank gets it)."""
+    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    mean = flat.clone()
+    dist.all_reduce(mean)
+    gap = (flat - mean / dist.get_world_size()).abs().max()
+    dist.all_reduce(gap, op=dist.ReduceOp.MAX)
+    return float(gap)
+
+
+def two_optimizers_job(rank: int, world_size: int) -> dict:
+    """Two optimizers step in turn, one after the other in each batch; averaging is due every second
+    optimizer step (counting from START), so always at the second optimizer's step, after its
+    ``zero_grad`` left the first one's gradients ``None``. Each average must cover both optimizers'
+    parameters (averaging only the stepping optimizer's, with a gradient, never averages the first one's)."""
+    quiet()
+    from lightning.fabric import Fabric
+
+    from lightning_ddpx import DDPXStrategy
+    from lightning_ddpx.lightning.fabric import DDPXStrategy as FabricDDPXStrategy
+    from tests.strategy_helpers import ManualTwoOptimizers
+
+    out: dict = {}
+    spread = Spread()
+    strategy = DDPXStrategy(comm_hook="post_local_sgd", post_local_sgd={**OPTIONS, "period": 2})
+    fit(strategy, max_steps=16, model_cls=ManualTwoOptimizers, callbacks=[spread])
+    out["trainer/gaps"] = spread.gaps
+
+    fabric = Fabric(
+        accelerator="cpu", devices=2, strategy=FabricDDPXStrategy(
+            comm_hook="post_local_sgd", post_local_sgd={**OPTIONS, "period": 2}, timeout=timedelta(seconds=60)
+        ),
+    )  # fmt: skip
+    fabric.launch()
+    body, head = make_model(), nn.Linear(4, 4)
+    model = nn.Sequential(body, head)
+    model, first, second = fabric.setup(
+        model, torch.optim.SGD(body.parameters(), lr=0.1), torch.optim.SGD(head.parameters(), lr=0.1)
+    )
+    gaps = []
+    for x, y in batches(rank, 8):
+        for optimizer in (first, second):
+            fabric.backward(nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+        gaps.append(replica_gap(model))
+    out["fabric/gaps"] = gaps
+    return out
+
+
+def test_several_optimizers_taking_turns_are_all_averaged():
+    for out in run_distributed(two_optimizers_job, 2, init_process_group=False, timeout=240):
+        # local steps start within the second batch; every batch ends on a due step: all replicas equal
+        assert len(out["trainer/gaps"]) == 8 and max(out["trainer/gaps"]) == 0.0, out["trainer/gaps"]
+        assert len(out["fabric/gaps"]) == 8 and max(out["fabric/gaps"]) == 0.0, out["fabric/gaps"]

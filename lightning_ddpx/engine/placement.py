@@ -38,7 +38,9 @@ def resolve_placement(
     device_ids: Sequence[DeviceLike] | None, output_device: DeviceLike | None, module_device: torch.device
 ) -> Placement:
     """torch's ``device_ids`` / ``output_device`` for a module whose parameters are all on ``module_device``."""
-    if device_ids is not None and (isinstance(device_ids, (str, bytes)) or not isinstance(device_ids, Sequence)):
+    if device_ids is not None and (
+        isinstance(device_ids, (str, bytes)) or not isinstance(device_ids, Sequence)
+    ):
         raise TypeError(
             f"lightning_ddpx.DistributedDataParallel: device_ids must be a list of one device (e.g. "
             f"device_ids=[local_rank]) or None, got {device_ids!r} ({type(device_ids).__name__})."

@@ -408,7 +408,7 @@ class OuterStep(ModelAverager):
     def group_due(self) -> dist.ProcessGroup | None | bool:
         return False  # the schedule is the state's, per fragment
 
-    def average_parameters(self, params: ParamsOrGroups) -> bool:
+    def average_parameters(self, params: ParamsOrGroups, *, only_with_grad: bool = True) -> bool:
         """``params`` is ignored: the outer step covers every trainable parameter given to ``attach``."""
         self.step += 1
         return self.state.after_inner_step(self.step)

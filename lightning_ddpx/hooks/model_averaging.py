@@ -110,11 +110,14 @@ class ModelAverager:
         """The group to average over at the current step, or ``False`` if none is due."""
         raise NotImplementedError
 
-    def average_parameters(self, params: ParamsOrGroups) -> bool:
-        """Call once after every ``optimizer.step()``; averages ``params`` when due. Returns whether it did."""
+    def average_parameters(self, params: ParamsOrGroups, *, only_with_grad: bool = True) -> bool:
+        """Call once after every ``optimizer.step()``; averages ``params`` when due: those with a gradient, as
+        torch's averagers do, or all of them (``only_with_grad=False``; ``params`` are then tensors). Returns
+        whether it did."""
         group = self.group_due()
         if group is not False:
-            average_parameters(params_to_average(params), group)  # type: ignore[arg-type]
+            chosen = params_to_average(params) if only_with_grad else list(params)
+            average_parameters(chosen, group)  # type: ignore[arg-type]
         self.step += 1
         return group is not False
 

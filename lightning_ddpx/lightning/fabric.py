@@ -101,6 +101,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         self._backward_sync_control = _DDPXBackwardSyncControl()
         # post-local SGD: (model, its averager) for each model set up with the hook, averaged after steps
         self._averaged: list[tuple[DistributedDataParallel, ModelAverager]] = []
+        self._optimizers: list[Optimizer] = []  # set up with this strategy
         self._uneven_steps = StepQueue(on_push=self._on_batch_fetched)
         self._modules: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
         self._replicas = ReplicaVerifier(self.ddpx_config.verify_replicas_every_n_steps)  # in set-up order
@@ -148,6 +149,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         """With ``overlap_optimizer``: hand the optimizer to the model (set up before) that owns its parameters."""
         if self.overlap_optimizer:
             optimizer_overlap_setup.attach_fabric_optimizer(self._modules, optimizer, self.precision)
+        self._optimizers.append(optimizer)  # post-local SGD averages every optimizer's parameters
         return super().setup_optimizer(optimizer)
 
     @override
@@ -201,7 +203,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """Step; then, for post-local SGD, average the parameters of the optimizer that have a gradient.
+        """Step; then, for post-local SGD, when due, average the module's parameters its optimizers update.
 
         With ``overlap_optimizer``, nothing when the last backward already stepped this optimizer."""
         if self.overlap_optimizer and optimizer_overlap_setup.stepped_in_backward(self._modules, optimizer):
@@ -211,7 +213,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         for module, averager in self._averaged:
             if post_local_sgd_setup.owns_params(module, optimizer):
                 post_local_sgd_setup.check_optimizers([optimizer])
-                post_local_sgd_setup.average_after_step(averager, optimizer)
+                post_local_sgd_setup.average_after_step(averager, self._optimizers, module)
         self._replicas.after_optimizer_step()
         return output
 
@@ -325,6 +327,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             module.close()
         self._modules = weakref.WeakSet()
         self._averaged.clear()
+        self._optimizers.clear()
         self._replicas = ReplicaVerifier(
             self.ddpx_config.verify_replicas_every_n_steps
         )  # closed ones forgotten

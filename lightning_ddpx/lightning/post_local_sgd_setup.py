@@ -158,10 +158,27 @@ def check_optimizers(optimizers: Iterable[Any]) -> None:
             )
 
 
-def average_after_step(averager: ModelAverager, optimizer: Any) -> bool:
-    """Count one optimizer step and average ``optimizer``'s parameters that have a gradient when due."""
-    inner = getattr(optimizer, "_optimizer", optimizer)
-    return averager.average_parameters(inner.param_groups)
+def average_after_step(averager: ModelAverager, optimizers: Iterable[Any], module: torch.nn.Module) -> bool:
+    """Count one optimizer step (of any of ``optimizers``); when due, average every parameter of ``module``
+    that one of ``optimizers`` updates, each once, with or without a gradient at this step.
+
+    Lightning's DDPStrategy averages only the stepping optimizer's parameters that have a gradient. Then the
+    ranks drift apart silently in two cases. With several optimizers taking turns (a GAN, manual
+    optimisation), the due steps can always fall on the same optimizer. A parameter without a gradient at a
+    due step (unused in that batch, or its optimizer's ``zero_grad`` already ran) is skipped, though earlier
+    local steps moved it. With one optimizer whose parameters all have gradients, the two rules average the
+    same parameters.
+    """
+    params: list[torch.Tensor] = []
+    if averager.group_due() is not False:  # collected only when due: this runs after every step
+        own, seen = {id(p) for p in module.parameters()}, set()
+        for optimizer in optimizers:
+            for group in getattr(optimizer, "_optimizer", optimizer).param_groups:
+                for param in group["params"]:
+                    if id(param) in own and id(param) not in seen:
+                        seen.add(id(param))
+                        params.append(param)
+    return averager.average_parameters(params, only_with_grad=False)
 
 
 def params_of(optimizer: Any) -> set[int]:

@@ -207,7 +207,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         model: Optional[Union[LightningModule, torch.nn.Module]] = None,
         **kwargs: Any,
     ) -> Any:
-        """Step, then (post-local SGD) average the optimizer's parameters that have a gradient when due.
+        """Step, then (post-local SGD) average the model's optimized parameters when due.
 
         With ``overlap_optimizer`` the closure's backward steps the optimizer: run only the closure."""
         if self.overlap_optimizer:
@@ -222,7 +222,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         else:
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
             if self._averager is not None:
-                post_local_sgd_setup.average_after_step(self._averager, optimizer)
+                post_local_sgd_setup.average_after_step(self._averager, self.optimizers, self.model)
                 if self.comm_stats_every_n_steps and self.lightning_module is not None:
                     trainer = lightning_compat.trainer_of(self.lightning_module)
                     if trainer is not None:  # DiLoCo: bytes of each outer sync
