@@ -279,3 +279,80 @@ def test_even_map_style_loaders_iterate_without_a_collective_per_batch() -> None
         assert result == {"batches": 8, "all_reduce": 1}, result
     for result in run_distributed(count_allreduces, 2, "iterable", timeout=120):
         assert result["batches"] == 8 and result["all_reduce"] >= 9, result
+
+
+# ------------------------------------------------------------------------ stateful loaders, mid-epoch resume
+class ResumableLoader:
+    """A loader with torchdata's ``state_dict``/``load_state_dict`` protocol: resumes after the batches it
+    has yielded (Lightning saves it in checkpoints and restores it mid-epoch). Not a ``DataLoader``, so the
+    lockstep looks one batch ahead of training."""
+
+    def __init__(self, batches: list[Any]) -> None:
+        self.batches, self.position, self.skip = batches, 0, 0
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Any:
+        start, self.skip = self.skip, 0
+        for index in range(start, len(self.batches)):
+            self.position = index + 1
+            yield self.batches[index]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.skip = state["position"]
+
+
+def test_a_stateful_loaders_state_counts_only_the_batches_handed_to_training() -> None:
+    from lightning_ddpx.lightning.uneven import LockstepLoader, StepQueue
+    from tests.dist_utils import one_rank_group
+
+    with one_rank_group():
+        wrapped = LockstepLoader(
+            ResumableLoader(list(range(5))), "join", dist.group.WORLD, torch.device("cpu"), StepQueue()
+        )
+        seen = [(batch, wrapped.state_dict()["position"]) for batch in wrapped]
+        assert seen == [(k, k + 1) for k in range(5)]  # the batch fetched ahead is not counted
+        assert not hasattr(
+            LockstepLoader(
+                DataLoader(list(range(3))), "join", dist.group.WORLD, torch.device("cpu"), StepQueue()
+            ),
+            "state_dict",
+        )
+
+
+class ResumableRegressor(TinyRegressor):
+    def train_dataloader(self) -> ResumableLoader:
+        x, y = rank_batches(self.trainer.global_rank, 8)
+        return ResumableLoader([(x[k : k + 4], y[k : k + 4]) for k in range(0, 32, 4)])
+
+
+def mid_epoch_resume_job(rank: int, world_size: int, directory: str) -> dict:
+    quiet()
+    from lightning_ddpx import DDPXStrategy
+
+    def train(max_steps: int, ckpt_path: str | None = None, **kwargs: Any) -> nn.Module:
+        seed_everything(0, verbose=False)
+        model = ResumableRegressor()
+        trainer = make_trainer(
+            DDPXStrategy(), max_steps, max_epochs=2, use_distributed_sampler=False, **kwargs
+        )
+        trainer.fit(model, ckpt_path=ckpt_path)
+        return model
+
+    continuous = parameters_of(train(-1))
+    checkpoint = ModelCheckpoint(dirpath=directory, filename="mid", every_n_train_steps=3, save_top_k=1)
+    train(3, enable_checkpointing=True, callbacks=[checkpoint])  # stops in the first epoch, after step 3
+    resumed = parameters_of(train(-1, ckpt_path=os.path.join(directory, "mid.ckpt")))
+    return {"continuous": continuous, "resumed": resumed}
+
+
+def test_a_mid_epoch_resume_with_a_stateful_loader_continues_exactly(tmp_path) -> None:
+    """Lightning restores a stateful loader mid-epoch from its saved state: the batch the lockstep fetched
+    ahead must not count, or the resumed run skips it."""
+    for out in run_distributed(mid_epoch_resume_job, 2, str(tmp_path), init_process_group=False, timeout=240):
+        for name, value in out["continuous"].items():
+            assert torch.equal(out["resumed"][name], value), name

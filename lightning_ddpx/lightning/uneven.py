@@ -142,6 +142,8 @@ class LockstepLoader:
         self.world_size = dist.get_world_size(process_group)
         self._lengths: Optional[list[int]] = None
         self._gathered = False
+        # a stateful loader's state before the batch fetched ahead (see state_dict below); None: no look-ahead
+        self._state_before_lookahead: Optional[Any] = None
         if not for_fabric:
             self._gather_lengths()
 
@@ -177,10 +179,22 @@ class LockstepLoader:
     def __getattr__(self, name: str) -> Any:
         if name == "loader":  # not set yet (unpickling): avoid recursing
             raise AttributeError(name)
-        return getattr(self.loader, name)
+        attribute = getattr(self.loader, name)
+        if name == "state_dict":  # only where the wrapped loader is stateful: Lightning asks hasattr()
+            return self._state_dict
+        return attribute
+
+    def _state_dict(self) -> Any:
+        """A stateful loader's state as of the batches handed to training. To agree with the other ranks on
+        who still has data, the lockstep fetches each next batch ahead; the wrapped loader's own state
+        already counts it, and a run resumed from it would skip that batch (a mid-epoch checkpoint)."""
+        if self._state_before_lookahead is not None:
+            return self._state_before_lookahead
+        return self.loader.state_dict()
 
     def __iter__(self) -> Iterator[Any]:
         self.steps.reset()  # a new epoch (or an iterator Lightning made and dropped): nothing is pending
+        self._state_before_lookahead = None
         if self.for_fabric:
             if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
                 return iter(self.loader)  # evaluation: maybe on one rank only, no backward to keep in step
@@ -236,6 +250,8 @@ class LockstepLoader:
         self, iterator: Iterator[Any], served: int, has_replay: bool
     ) -> tuple[Any, bool, torch.Tensor, Any]:
         """Fetch this rank's next batch and start the allreduce of every rank's flags (asynchronous)."""
+        if hasattr(self.loader, "state_dict"):
+            self._state_before_lookahead = self.loader.state_dict()
         try:
             batch, has_batch = next(iterator), True
         except StopIteration:
