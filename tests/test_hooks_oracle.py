@@ -51,6 +51,27 @@ def conv_loss(model: nn.Module, step: int) -> torch.Tensor:
     return model(batch(dist.get_rank(), step, (4, 3, 10, 10))).pow(2).mean()
 
 
+def strided_convnet() -> nn.Module:
+    """convnet with channels_last conv weights and one transposed linear weight: gradients stored in another
+    order than row-major. torch's reducer keeps that order in the bucket, and PowerSGD's matrices are read
+    from those bytes."""
+    model = convnet().to(memory_format=torch.channels_last)
+    model[-1].weight = nn.Parameter(
+        model[-1].weight.detach().t().contiguous().t()
+    )  # same values, strides (1, 32)
+    assert not model[0].weight.is_contiguous() and not model[-1].weight.is_contiguous()
+    return model
+
+
+def complex_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8, dtype=torch.complex64), nn.Linear(8, 2, dtype=torch.complex64))
+
+
+def complex_loss(model: nn.Module, step: int) -> torch.Tensor:
+    x = torch.complex(batch(dist.get_rank(), step, (6, 4)), batch(dist.get_rank(), step + 50, (6, 4)))
+    return model(x).abs().pow(2).mean()
+
+
 def regression_model() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8))
 
@@ -245,6 +266,24 @@ def run_powersgd_variants_against_torch(rank: int, world_size: int) -> dict[str,
         (torchs(**ONE_BUCKET), hooks.PowerSGDState(None, **options), hooks.powersgd_hook),
         (torchs(**ONE_BUCKET), torch_powersgd.PowerSGDState(None, **options), torch_powersgd.powerSGD_hook),
         rtol=1e-5, atol=1e-6, label="ours on torch DDP",
+    )  # fmt: skip
+    # Weights stored channels_last or transposed: the same bytes in the bucket as torch's, hence the same
+    # matrices; torch's own hook on our module gives torch's result bit for bit.
+    for name, our_hook, our_state_type in (
+        ("ours", hooks.powersgd_hook, hooks.PowerSGDState),
+        ("torch's hook on ours", torch_powersgd.powerSGD_hook, torch_powersgd.PowerSGDState),
+    ):
+        train_pair(
+            strided_convnet, conv_loss, POWERSGD_STEPS,
+            (ours(**OUR_ONE_BUCKET), our_state_type(None, **options), our_hook),
+            (torchs(**ONE_BUCKET), torch_powersgd.PowerSGDState(None, **options), torch_powersgd.powerSGD_hook),
+            rtol=1e-5 if name == "ours" else 0.0, atol=1e-6 if name == "ours" else 0.0,
+            label=f"channels_last/transposed, {name}",
+        )  # fmt: skip
+    # Complex parameters: an all-reduce hands back the bucket viewed as pairs of reals, read back as complex.
+    train_pair(
+        complex_model, complex_loss, 3,
+        (ours(), None, hooks.allreduce_hook), (torchs(), None, None), rtol=1e-6, atol=1e-7, label="complex",
     )  # fmt: skip
     # fp16 wrapper around PowerSGD: P and Q travel in half precision on both sides.
     train_pair(

@@ -48,10 +48,26 @@ def wait_result(
         ) from error
     if isinstance(value, (list, tuple)) and len(value) == 1:
         value = value[0]
+    value = _as_complex_if_viewed_real(value, bucket.buffer)
     if bucket.spec.sparse:
         _check_sparse(value, b, bucket, hook_name)
     else:
         _check_dense(value, b, bucket, hook_name)
+    return value
+
+
+def _as_complex_if_viewed_real(value: Any, buffer: torch.Tensor) -> Any:
+    """``dist.all_reduce`` of a complex tensor hands back its ``view_as_real`` (pairs of reals): as torch's
+    reducer, read it as the complex bucket it is."""
+    if (
+        buffer.is_complex()
+        and isinstance(value, torch.Tensor)
+        and not value.is_complex()
+        and value.is_floating_point()
+        and value.shape[-1:] == (2,)
+        and value.numel() == 2 * buffer.numel()
+    ):
+        return torch.view_as_complex(value.reshape(-1, 2).contiguous())
     return value
 
 

@@ -16,7 +16,7 @@ from lightning_ddpx._compat.torch import foreach_copy_
 from lightning_ddpx.engine.bucketing import BucketInfo, BucketSpec
 from lightning_ddpx.engine.sparse import empty_sparse_like
 
-__all__ = ["Bucket", "BucketLayout", "param_views"]
+__all__ = ["Bucket", "BucketLayout", "dense_without_overlap", "hook_views", "param_views"]
 
 # With no hook, scaling happens during the copy into the bucket (one pass over the gradients instead of a copy
 # and a multiply, as torch's reducer does). Per-parameter fused multiplies cost one dispatch each, so buckets
@@ -27,14 +27,42 @@ _FUSED_SCALE_MIN_AVERAGE_NUMEL = 16384
 def param_views(
     flat: torch.Tensor, spec: BucketSpec, params: Sequence[torch.nn.Parameter]
 ) -> list[torch.Tensor]:
-    """Views into ``flat`` (laid out like bucket ``spec``), one per parameter, shaped like it."""
-    return [flat[offset : offset + p.numel()].view_as(p) for offset, p in zip(spec.offsets, params)]
+    """Views into ``flat`` (laid out like bucket ``spec``), one per parameter, shaped like it and, as in torch's
+    reducer, strided like it when its elements are dense without overlap (a channels_last or transposed
+    weight): the bucket then holds each gradient's bytes in the parameter's memory order, as torch's does,
+    so a hook that reads them per parameter (PowerSGD) sees what it sees under torch's DDP."""
+    views = []
+    for offset, p in zip(spec.offsets, params):
+        if p.is_contiguous() or not dense_without_overlap(p):
+            views.append(flat[offset : offset + p.numel()].view_as(p))
+        else:
+            views.append(flat.as_strided(p.shape, p.stride(), flat.storage_offset() + offset))
+    return views
+
+
+def hook_views(
+    flat: torch.Tensor, spec: BucketSpec, params: Sequence[torch.nn.Parameter]
+) -> list[torch.Tensor]:
+    """What ``GradBucket.gradients()`` holds, as in torch: each parameter's slice of ``flat`` viewed in its
+    shape, in row-major order whatever the parameter's strides."""
+    return [flat[offset : offset + p.numel()].view(p.shape) for offset, p in zip(spec.offsets, params)]
+
+
+def dense_without_overlap(tensor: torch.Tensor) -> bool:
+    """torch's ``is_non_overlapping_and_dense`` (not exposed in Python): the elements fill ``numel()``
+    consecutive places in some order of the dimensions."""
+    expected = 1
+    for stride, size in sorted((st, n) for st, n in zip(tensor.stride(), tensor.shape) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 class Bucket:
     """Runtime storage for one :class:`BucketSpec`: the flat buffer and per-parameter views into it."""
 
-    __slots__ = ("spec", "buffer", "views", "params", "nbytes", "names", "fused_scale")
+    __slots__ = ("spec", "buffer", "views", "params", "nbytes", "names", "fused_scale", "strided")
 
     def __init__(self, spec: BucketSpec, params: Sequence[torch.nn.Parameter], names: Sequence[str]) -> None:
         self.spec = spec
@@ -44,8 +72,14 @@ class Bucket:
         self.buffer = torch.zeros(0 if spec.sparse else spec.numel, dtype=spec.dtype, device=spec.device)
         self.nbytes = self.buffer.numel() * self.buffer.element_size()
         self.views = [] if spec.sparse else param_views(self.buffer, spec, self.params)
+        # a parameter stored with other strides: hooks see the buffer through other views (hook_views)
+        self.strided = not spec.sparse and any(not p.is_contiguous() for p in self.params)
         # Large gradients on average: scale while copying, one fused multiply per parameter (see above).
         self.fused_scale = spec.numel >= _FUSED_SCALE_MIN_AVERAGE_NUMEL * len(self.params)
+
+    def gradients_for_hook(self, buffer: torch.Tensor, views: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``GradBucket.gradients()`` for ``buffer`` (laid out like this bucket; ``views``: its views)."""
+        return hook_views(buffer, self.spec, self.params) if self.strided else views
 
     def short_names(self) -> list[str]:
         """The parameter names, the first six, for messages."""

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from lightning_ddpx._compat.torch import JoinConfig
-from lightning_ddpx.engine.buckets import param_views
+from lightning_ddpx.engine.buckets import hook_views
 from lightning_ddpx.engine.consistency import broadcast_from
 from lightning_ddpx.engine.cuda_streams import current_stream, on_stream
 from lightning_ddpx.engine.diagnosis import bucket_checked
@@ -245,7 +245,7 @@ def shadow_reduction(reducer: Reducer, bitmap: bool) -> None:
                 zeros, views = empty_sparse_like(bucket.params[0]), []
             else:
                 zeros = torch.zeros_like(bucket.buffer)
-                views = param_views(zeros, bucket.spec, bucket.params)
+                views = hook_views(zeros, bucket.spec, bucket.params)  # what the hook sees, as torch's
             grad_bucket = GradBucket(
                 b, zeros, views, bucket.params, b == len(buckets) - 1, names=bucket.names
             )

@@ -340,8 +340,8 @@ class Reducer:
                 self.streams if self._on_cuda else None, stream,
             )  # fmt: skip
             grad_bucket = GradBucket(
-                b, buffer, views, bucket.params, b == len(self.buckets) - 1, self.stats.sent_log,
-                names=bucket.names,
+                b, buffer, bucket.gradients_for_hook(buffer, views), bucket.params, b == len(self.buckets) - 1,
+                self.stats.sent_log, names=bucket.names,
             )  # fmt: skip
             self.progress.record(
                 "bucket {} of {} ({}) in iteration {}", b, len(self.buckets), transport.name,
