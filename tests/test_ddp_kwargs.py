@@ -107,6 +107,13 @@ def test_true_false_options_refuse_other_values_by_name(strategy, name, value):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
+def test_broadcast_buffers_none_is_torchs_default(strategy):
+    """torch 2.13's DDP defaults broadcast_buffers to None (True unless forward_sync_buffers says otherwise)."""
+    assert strategy(broadcast_buffers=None).ddpx_config.broadcast_buffers is True
+    assert strategy(broadcast_buffers=None, forward_sync_buffers=False).ddpx_config.broadcast_buffers is False
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_honoured_arguments_reach_the_config(strategy):
     s = strategy(static_graph=True, init_sync=False, forward_sync_buffers=False, skip_all_reduce_unused_params=True,
                  batched_grad_copy=True)  # fmt: skip

@@ -23,6 +23,7 @@ from tests.dist_utils import one_rank_group
         ({"period": 0}, ValueError, "diloco option period must be an integer >= 1"),
         ({"outer_lr": -1}, ValueError, "outer_lr must be a finite number >= 0"),
         ({"outer_lr": float("inf")}, ValueError, "outer_lr must be a finite number >= 0"),
+        ({"outer_lr": 10**400}, ValueError, "outer_lr must be a finite number >= 0"),  # no float holds it
         ({"outer_momentum": 1.5}, ValueError, "outer_momentum must be between 0.0 and 1.0"),
         ({"outer_momentum": 0.0}, ValueError, "nesterov=True needs outer_momentum > 0"),
         ({"nesterov": "yes"}, ValueError, "nesterov must be True or False"),

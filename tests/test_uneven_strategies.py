@@ -9,6 +9,7 @@ momentum steps every rank. Training logs with ``sync_dist=True`` every step, and
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any
 
@@ -316,6 +317,10 @@ def test_a_stateful_loaders_state_counts_only_the_batches_handed_to_training() -
         )
         seen = [(batch, wrapped.state_dict()["position"]) for batch in wrapped]
         assert seen == [(k, k + 1) for k in range(5)]  # the batch fetched ahead is not counted
+        # Lightning's _Stateful check reads attributes statically on Python 3.12+ (not __getattr__)
+        from lightning.fabric.utilities.types import _Stateful
+
+        assert isinstance(wrapped, _Stateful) and inspect.getattr_static(wrapped, "state_dict")
         assert not hasattr(
             LockstepLoader(
                 DataLoader(list(range(3))), "join", dist.group.WORLD, torch.device("cpu"), StepQueue()

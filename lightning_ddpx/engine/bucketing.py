@@ -40,10 +40,10 @@ def is_bucket_cap(value: object) -> bool:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return False
     try:
-        megabytes = float(value)
+        size = float(value) * _MB
     except OverflowError:  # an int too large for a float
         return False
-    return math.isfinite(megabytes) and megabytes_to_bytes(megabytes) >= 1
+    return math.isfinite(size) and int(size) >= 1  # 1e303 MiB is a finite number, but no byte count
 
 
 def resolve_bucket_caps(

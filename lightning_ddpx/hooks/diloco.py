@@ -62,8 +62,20 @@ def _integer(name: str, value: Any, minimum: int) -> int:
     return int(value)
 
 
+def _as_float(value: numbers.Real) -> float:
+    """``float(value)``; an integer too large for a float counts as infinite."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
+
+
 def _number(name: str, value: Any, low: float, high: Optional[float] = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not low <= value < math.inf:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not low <= _as_float(value) < math.inf
+    ):
         raise ValueError(f"diloco option {name} must be a finite number >= {low}, got {value!r}.")
     if high is not None and value > high:
         raise ValueError(f"diloco option {name} must be between {low} and {high}, got {value!r}.")

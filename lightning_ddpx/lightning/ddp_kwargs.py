@@ -280,7 +280,11 @@ def _config_from(
         "forward_sync_buffers": forward_sync_buffers,
         "broadcast_buffers": options.get("broadcast_buffers", True),  # merged with forward_sync_buffers below
     }
-    check_flags(owner, flags, optional=("forward_sync_buffers",))
+    check_flags(owner, flags, optional=("forward_sync_buffers", "broadcast_buffers"))
+    if (
+        options.get("broadcast_buffers", True) is None
+    ):  # torch 2.13's default: True unless forward_sync_buffers
+        options["broadcast_buffers"] = True
     hook, state, wrapper = merge_lightning_hook_args(
         options.pop("comm_hook", None),
         options.pop("comm_state", None),

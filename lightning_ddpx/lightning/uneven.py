@@ -142,8 +142,13 @@ class LockstepLoader:
         self.world_size = dist.get_world_size(process_group)
         self._lengths: Optional[list[int]] = None
         self._gathered = False
-        # a stateful loader's state before the batch fetched ahead (see state_dict below); None: no look-ahead
+        # a stateful loader's state before the batch fetched ahead (see _state_dict); None: no look-ahead
         self._state_before_lookahead: Optional[Any] = None
+        # Stateful only where the wrapped loader is: Lightning's check (a runtime Protocol) reads the class
+        # and instance attributes only (Python 3.12+), not __getattr__, so these are set on the instance.
+        if hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict"):
+            self.state_dict = self._state_dict
+            self.load_state_dict = loader.load_state_dict
         if not for_fabric:
             self._gather_lengths()
 
@@ -179,10 +184,7 @@ class LockstepLoader:
     def __getattr__(self, name: str) -> Any:
         if name == "loader":  # not set yet (unpickling): avoid recursing
             raise AttributeError(name)
-        attribute = getattr(self.loader, name)
-        if name == "state_dict":  # only where the wrapped loader is stateful: Lightning asks hasattr()
-            return self._state_dict
-        return attribute
+        return getattr(self.loader, name)
 
     def _state_dict(self) -> Any:
         """A stateful loader's state as of the batches handed to training. To agree with the other ranks on
