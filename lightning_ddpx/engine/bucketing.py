@@ -14,6 +14,8 @@ from typing import Hashable, Sequence
 
 import torch
 
+from lightning_ddpx.engine.option_values import is_finite_number
+
 __all__ = [
     "BucketInfo", "BucketSpec", "chunk_ranges", "megabytes_to_bytes", "plan_buckets", "plan_initial_buckets",
     "resolve_bucket_caps",
@@ -37,12 +39,9 @@ def is_bucket_cap(value: object) -> bool:
     ``None`` for torch's default. One rule for the module and the strategies' options."""
     if value is None:
         return True
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
+    if not isinstance(value, (int, float)) or not is_finite_number(value):
         return False
-    try:
-        size = float(value) * _MB
-    except OverflowError:  # an int too large for a float
-        return False
+    size = float(value) * _MB
     return math.isfinite(size) and int(size) >= 1  # 1e303 MiB is a finite number, but no byte count
 
 

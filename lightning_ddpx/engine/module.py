@@ -23,12 +23,12 @@ from lightning_ddpx.engine.bucketing import is_bucket_cap, megabytes_to_bytes, r
 from lightning_ddpx.engine.consistency import start_alike, verify_same_settings
 from lightning_ddpx.engine.errors import waiting_for
 from lightning_ddpx.engine.exit_threads import register_exit_handler
-from lightning_ddpx.engine.flags import check_flags
 from lightning_ddpx.engine.hook_signature import check_comm_hook
 from lightning_ddpx.engine.join import JoinableModule
 from lightning_ddpx.engine.module_reports import ModuleReports
 from lightning_ddpx.engine.optim_in_backward import refuse_combination, registrations, take_over
 from lightning_ddpx.engine.optimizer_overlap import OptimizerOverlap
+from lightning_ddpx.engine.option_values import check_flags
 from lightning_ddpx.engine.pickling import group_for_unpickling, state_to_pickle
 from lightning_ddpx.engine.placement import DeviceLike, resolve_placement, side_stream_copies
 from lightning_ddpx.engine.rank_settings import SETTING_OPTIONS, module_settings
@@ -515,7 +515,7 @@ class DistributedDataParallel(nn.Module, JoinableModule, ModuleReports):
             self.reducer.load_order_state(state)
 
 
-# torch's True/False arguments and ours; the first two may be None (engine.flags)
+# torch's True/False arguments and ours; the first two may be None (engine.option_values)
 _FLAGS = (
     "broadcast_buffers", "forward_sync_buffers", "init_sync", "check_reduction", "find_unused_parameters",
     "gradient_as_bucket_view", "static_graph", "skip_all_reduce_unused_params", "batched_grad_copy",

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import numbers
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Optional
@@ -39,6 +38,7 @@ import torch.distributed as dist
 
 from lightning_ddpx.engine.backend_support import bf16_reduction_problem
 from lightning_ddpx.engine.grad_bucket import collectives_issued_on_call
+from lightning_ddpx.engine.option_values import is_finite_number
 from lightning_ddpx.hooks.default import noop_hook
 from lightning_ddpx.hooks.model_averaging import ModelAverager, ParamsOrGroups
 from lightning_ddpx.hooks.outer_exchange import PRECISIONS, CompletedMean, OuterExchange, start_exchange
@@ -62,20 +62,8 @@ def _integer(name: str, value: Any, minimum: int) -> int:
     return int(value)
 
 
-def _as_float(value: numbers.Real) -> float:
-    """``float(value)``; an integer too large for a float counts as infinite."""
-    try:
-        return float(value)
-    except OverflowError:
-        return math.inf
-
-
 def _number(name: str, value: Any, low: float, high: Optional[float] = None) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not low <= _as_float(value) < math.inf
-    ):
+    if not is_finite_number(value) or not value >= low:
         raise ValueError(f"diloco option {name} must be a finite number >= {low}, got {value!r}.")
     if high is not None and value > high:
         raise ValueError(f"diloco option {name} must be between {low} and {high}, got {value!r}.")

@@ -21,8 +21,8 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_ddpx.engine.bucketing import is_bucket_cap
-from lightning_ddpx.engine.flags import check_flags
 from lightning_ddpx.engine.module import DistributedDataParallel
+from lightning_ddpx.engine.option_values import check_flags
 from lightning_ddpx.engine.transport import hook_name
 from lightning_ddpx.hooks import (
     DiLoCoOptions,

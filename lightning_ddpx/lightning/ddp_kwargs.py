@@ -20,7 +20,7 @@ import importlib
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
-from lightning_ddpx.engine.flags import check_flags
+from lightning_ddpx.engine.option_values import check_flags
 from lightning_ddpx.engine.unsupported_options import UNSUPPORTED_TORCH_ARGUMENTS
 
 if TYPE_CHECKING:

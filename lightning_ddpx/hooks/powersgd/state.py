@@ -15,7 +15,6 @@ it and no code is unpickled; the process group is never saved.
 
 from __future__ import annotations
 
-import math
 import numbers
 import warnings
 from dataclasses import asdict, dataclass, field, fields
@@ -25,6 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lightning_ddpx.engine.option_values import is_finite_number
 from lightning_ddpx.hooks.powersgd.state_check import check_state_dict
 
 __all__ = ["CompressionStats", "PowerSGDOptions", "PowerSGDState", "RankMemory", "SharedMemory"]
@@ -70,7 +70,7 @@ class PowerSGDOptions:
                 raise TypeError(f"PowerSGD option {name} must be an integer, got {value!r}")
         for name in ("min_compression_rate", "orthogonalization_epsilon"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not _finite(value):
+            if not is_finite_number(value):
                 raise TypeError(f"PowerSGD option {name} must be a finite number, got {value!r}")
         if self.matrix_approximation_rank < 1:
             raise ValueError(
@@ -391,11 +391,3 @@ def _restored_shared(shared_in: dict[str, Any], keep_memory: bool) -> SharedMemo
         per_bucket={int(i): (int(c[0]), int(c[1])) for i, c in stats["per_bucket"].items()},
         next_stats_report=int(stats["next_report"]),
     )
-
-
-def _finite(value: numbers.Real) -> bool:
-    """``math.isfinite``, false for an integer too large for a float (it would raise ``OverflowError``)."""
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
