@@ -274,16 +274,15 @@ def _config_from(
     from lightning_ddpx.lightning.config import DDPXConfig
 
     check_passthrough_kwargs(passthrough, owner)
+    broadcast_buffers = options.get("broadcast_buffers", True)  # merged with forward_sync_buffers below
     flags = {
         "skip_all_reduce_unused_params": skip_all_reduce_unused_params,
         "batched_grad_copy": batched_grad_copy,
         "forward_sync_buffers": forward_sync_buffers,
-        "broadcast_buffers": options.get("broadcast_buffers", True),  # merged with forward_sync_buffers below
+        "broadcast_buffers": broadcast_buffers,
     }
     check_flags(owner, flags, optional=("forward_sync_buffers", "broadcast_buffers"))
-    if (
-        options.get("broadcast_buffers", True) is None
-    ):  # torch 2.13's default: True unless forward_sync_buffers
+    if broadcast_buffers is None:  # torch 2.13's default: True unless forward_sync_buffers says otherwise
         options["broadcast_buffers"] = True
     hook, state, wrapper = merge_lightning_hook_args(
         options.pop("comm_hook", None),

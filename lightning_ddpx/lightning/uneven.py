@@ -146,7 +146,8 @@ class LockstepLoader:
         self._state_before_lookahead: Optional[Any] = None
         # Stateful only where the wrapped loader is: Lightning's check (a runtime Protocol) reads the class
         # and instance attributes only (Python 3.12+), not __getattr__, so these are set on the instance.
-        if hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict"):
+        self._stateful = hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict")
+        if self._stateful:
             self.state_dict = self._state_dict
             self.load_state_dict = loader.load_state_dict
         if not for_fabric:
@@ -252,7 +253,7 @@ class LockstepLoader:
         self, iterator: Iterator[Any], served: int, has_replay: bool
     ) -> tuple[Any, bool, torch.Tensor, Any]:
         """Fetch this rank's next batch and start the allreduce of every rank's flags (asynchronous)."""
-        if hasattr(self.loader, "state_dict"):
+        if self._stateful:
             self._state_before_lookahead = self.loader.state_dict()
         try:
             batch, has_batch = next(iterator), True
