@@ -43,12 +43,17 @@ class Spread(Callback):
         self.gaps: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        flat = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
-        mean = flat.clone()
-        dist.all_reduce(mean)
-        gap = (flat - mean / dist.get_world_size()).abs().max()
-        dist.all_reduce(gap, op=dist.ReduceOp.MAX)
-        self.gaps.append(float(gap))
+        self.gaps.append(replica_gap(pl_module))
+
+
+def replica_gap(module: nn.Module) -> float:
+    """The largest difference between this rank's parameters and the ranks' mean (every rank gets it)."""
+    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    mean = flat.clone()
+    dist.all_reduce(mean)
+    gap = (flat - mean / dist.get_world_size()).abs().max()
+    dist.all_reduce(gap, op=dist.ReduceOp.MAX)
+    return float(gap)
 
 
 def torch_hook_by_hand(state, bucket):
@@ -246,16 +251,6 @@ def test_fabric_matches_torch_by_hand_and_resumes_exactly(tmp_path):
 
 
 # ------------------------------------------------------------------------ several optimizers taking turns
-def replica_gap(module: nn.Module) -> float:
-    """The largest difference between this rank's parameters and the ranks' mean (every rank gets it)."""
-    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
-    mean = flat.clone()
-    dist.all_reduce(mean)
-    gap = (flat - mean / dist.get_world_size()).abs().max()
-    dist.all_reduce(gap, op=dist.ReduceOp.MAX)
-    return float(gap)
-
-
 def two_optimizers_job(rank: int, world_size: int) -> dict:
     """Two optimizers step in turn, one after the other in each batch; averaging is due every second
     optimizer step (counting from START), so always at the second optimizer's step, after its
