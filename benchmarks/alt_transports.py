@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lightning_ddpx.engine.grad_bucket import GradBucket, payload_bytes, record_bytes_sent
-from lightning_ddpx.engine.transport import MeanAllReduce
+from lightning_ddpx.engine.buckets.grad_bucket import GradBucket, payload_bytes, record_bytes_sent
+from lightning_ddpx.engine.transport.transports import MeanAllReduce
 
 __all__ = ["MeanAllReduceInHalves", "HALVES_MIN_BYTES"]
 
@@ -23,7 +23,7 @@ HALVES_MIN_BYTES = 4 * 1024 * 1024
 
 
 class MeanAllReduceInHalves(MeanAllReduce):
-    """:class:`~lightning_ddpx.engine.transport.MeanAllReduce`, large dense buckets in two halves."""
+    """:class:`~lightning_ddpx.engine.transport.transports.MeanAllReduce`, large dense buckets in two halves."""
 
     def describe(self) -> str:
         return f"the mean all-reduce, buckets from {HALVES_MIN_BYTES} bytes in halves (benchmark alternative)"

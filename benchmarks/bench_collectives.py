@@ -15,7 +15,7 @@ barrier, rounds rotated:
 - ``halves``: each rank sends the other the half it does not own (``isend``/``irecv``), sums its own half,
   then the halves are exchanged back: a ring all-reduce for two ranks, written with point-to-point calls;
 - ``shared memory``: the engine's own path for two ranks on one machine
-  (:mod:`lightning_ddpx.engine.shared_memory`): each rank copies into its slot of a shared file, a
+  (:mod:`lightning_ddpx.engine.transport.shared_memory`): each rank copies into its slot of a shared file, a
   one-element all-reduce says both are written, each adds the other's slot. Absent over ``--link``, which
   stands for two machines.
 
@@ -39,8 +39,8 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks.common import format_table, launch  # noqa: E402
 from lightning_ddpx.bench.timing import rotated  # noqa: E402
-from lightning_ddpx.engine.grad_bucket import GradBucket  # noqa: E402
-from lightning_ddpx.engine.shared_memory import (  # noqa: E402
+from lightning_ddpx.engine.buckets.grad_bucket import GradBucket  # noqa: E402
+from lightning_ddpx.engine.transport.shared_memory import (  # noqa: E402
     SharedMemoryExchange,
     gather_obstacles,
     local_obstacles,

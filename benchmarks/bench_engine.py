@@ -102,7 +102,7 @@ def run_rank(rank: int, world_size: int, config: RunConfig) -> dict[str, Any]:
 
         wrapped["halves"].reducer.use_transport(MeanAllReduceInHalves(wrapped["halves"].process_group))
     if config.gloo:
-        from lightning_ddpx.engine.transport import MeanAllReduce
+        from lightning_ddpx.engine.transport.transports import MeanAllReduce
 
         wrapped["gloo"].reducer.use_transport(MeanAllReduce(wrapped["gloo"].process_group))
     if config.noop:

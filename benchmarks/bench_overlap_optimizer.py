@@ -12,7 +12,7 @@ together mean something):
 - ``ours``: our module, the same plain ``AdamW.step()`` after backward;
 - ``overlap``: our module with ``model.overlap_optimizer_with(adamw)``: each bucket's parameters step as
   soon as the bucket is reduced, while later buckets still communicate; no ``step()`` after backward. On
-  the CPU its long parameters are updated slice by slice (``lightning_ddpx.engine.piecewise_step``);
+  the CPU its long parameters are updated slice by slice (``lightning_ddpx.engine.optim.piecewise_step``);
 - ``overlap_whole`` (with ``--compare-unsliced``): the same, every parameter updated whole (an overlap built
   with ``slice_bytes=None``): what the slices gain, measured in the same run.
 
@@ -68,7 +68,7 @@ def _adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
 def run_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     """One rank: a wrapped copy of the model per contender, timed interleaved; then the optimizer alone."""
     from lightning_ddpx import DistributedDataParallel as OursDDP
-    from lightning_ddpx.engine.optimizer_overlap import OptimizerOverlap
+    from lightning_ddpx.engine.optim.overlap import OptimizerOverlap
 
     inputs, target = make_batch(config["model"], rank, config["seed"])
     contenders = CONTENDERS + (("overlap_whole",) if config["compare_whole"] else ())

@@ -14,7 +14,7 @@ p25-p75), and the ratio ours/torch of whole steps. docs/benchmarks.md ("Per-para
 
 ``--hook-floor`` adds the plain model twice more, once with a Python hook that does nothing on each
 parameter's gradient accumulator (the hook our reducer is told a gradient is ready by, see
-``lightning_ddpx.engine.accumulator_hooks``) and once with a no-op ``register_post_accumulate_grad_hook``
+``lightning_ddpx.engine.reducer.accumulator_hooks``) and once with a no-op ``register_post_accumulate_grad_hook``
 instead: what any reducer written in Python pays per gradient before doing anything, where torch's reducer
 is called from C++.
 """
@@ -39,7 +39,7 @@ from benchmarks.common import free_port, make_train_step  # noqa: E402
 from lightning_ddpx import DistributedDataParallel  # noqa: E402
 from lightning_ddpx.bench.models import MODELS, build_model  # noqa: E402
 from lightning_ddpx.bench.timing import rotated  # noqa: E402
-from lightning_ddpx.engine.accumulator_hooks import gradient_accumulator  # noqa: E402
+from lightning_ddpx.engine.reducer.accumulator_hooks import gradient_accumulator  # noqa: E402
 
 CONTENDERS = ("plain", "torch", "ours")
 HOOK_FLOOR = ("accumulator-hook", "tensor-hook")

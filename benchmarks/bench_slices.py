@@ -5,7 +5,7 @@
     python benchmarks/bench_slices.py --part slices       # one process only
 
 - ``slices``: one optimizer step on one 2048 x 2048 weight, whole and in slices of several sizes
-  (``lightning_ddpx.engine.piecewise_step``, the update the overlap applies to long parameters), for AdamW
+  (``lightning_ddpx.engine.optim.piecewise_step``, the update the overlap applies to long parameters), for AdamW
   and SGD with momentum; one thread, median of ``--repeats``. The results are checked bit-identical.
 - ``chunks``: a 2-rank gloo allreduce of one 16.8 MB buffer (the MLP's first-layer weight), whole and as
   4 ... 32 chunks issued at once, waited in order (what the overlap does with its last bucket); median of
@@ -29,8 +29,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks.common import format_table, launch  # noqa: E402
-from lightning_ddpx.engine.bucketing import chunk_ranges  # noqa: E402
-from lightning_ddpx.engine.piecewise_step import PiecewiseStep, optimizer_view  # noqa: E402
+from lightning_ddpx.engine.buckets.plan import chunk_ranges  # noqa: E402
+from lightning_ddpx.engine.optim.piecewise_step import PiecewiseStep, optimizer_view  # noqa: E402
 
 SLICE_SIZES = (32768, 65536, 131072, 262144, 524288, 1048576)
 CHUNK_COUNTS = (4, 8, 16, 32)

@@ -59,7 +59,7 @@ class ResidualWithUnusedHead(nn.Module):
 
 def run_rank(rank: int, world_size: int, layers: int, steps: int, warmup: int, block: int) -> dict[str, Any]:
     from lightning_ddpx import DistributedDataParallel
-    from lightning_ddpx.engine.graph import reachable_parameter_indices
+    from lightning_ddpx.engine.reducer.reachability import reachable_parameter_indices
 
     torch.set_flush_denormal(True)
     generator = torch.Generator().manual_seed(rank)

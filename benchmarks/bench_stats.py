@@ -42,7 +42,7 @@ from benchmarks.common import (  # noqa: E402
     verdict,
     write_json,
 )
-from lightning_ddpx.engine.comm_stats import NoCommStats  # noqa: E402
+from lightning_ddpx.engine.reducer.comm_stats import NoCommStats  # noqa: E402
 
 TARGET = 1.01  # statistics on: step time within 1 % of statistics off
 

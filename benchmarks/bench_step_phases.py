@@ -38,7 +38,7 @@ from benchmarks.common import free_port  # noqa: E402
 from lightning_ddpx import DistributedDataParallel  # noqa: E402
 from lightning_ddpx.bench.models import MODELS, build_model  # noqa: E402
 from lightning_ddpx.bench.timing import rotated  # noqa: E402
-from lightning_ddpx.engine import buckets  # noqa: E402
+from lightning_ddpx.engine.buckets import storage as buckets  # noqa: E402
 
 PHASES = ("zero_grad", "forward", "backward", "step")
 CONTENDERS = ("plain", "torch", "ours")

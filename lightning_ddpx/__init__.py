@@ -13,13 +13,18 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from lightning_ddpx import _import_hooks
-from lightning_ddpx.engine.bucketing import BucketInfo
-from lightning_ddpx.engine.comm_stats import CommStatsSummary, StepCommStats
+from lightning_ddpx.engine.agreement.replica_check import ReplicaMismatchError, ReplicaReport
+from lightning_ddpx.engine.agreement.sequence_check import CollectiveMismatchError
+from lightning_ddpx.engine.buckets.grad_bucket import (
+    GradBucket,
+    collectives_issued_on_call,
+    record_bytes_sent,
+)
+from lightning_ddpx.engine.buckets.plan import BucketInfo
 from lightning_ddpx.engine.compile import GraphSplit, compile_model, compiled_graphs
-from lightning_ddpx.engine.diagnosis import CollectiveMismatchError
-from lightning_ddpx.engine.grad_bucket import GradBucket, collectives_issued_on_call, record_bytes_sent
-from lightning_ddpx.engine.module import DistributedDataParallel
-from lightning_ddpx.engine.replica_check import ReplicaMismatchError, ReplicaReport
+from lightning_ddpx.engine.module.data_parallel import DistributedDataParallel
+from lightning_ddpx.engine.reducer.comm_stats import CommStatsSummary, StepCommStats
+from lightning_ddpx.engine.reducer.late_gradients import LocalGradientWarning
 
 if TYPE_CHECKING:
     from lightning_ddpx.lightning.checkpoint_io import AtomicCheckpointIO
@@ -35,6 +40,7 @@ __all__ = [
     "DistributedDataParallel",
     "GradBucket",
     "GraphSplit",
+    "LocalGradientWarning",
     "ReplicaMismatchError",
     "ReplicaReport",
     "StepCommStats",
@@ -54,10 +60,51 @@ _LAZY_NAMES = {
 }
 _SUBPACKAGES = ("bench", "engine", "fabric", "hooks", "lightning")
 
-# Module paths from before the layers (0.1.0's flat package) -> where the module lives now.
+# Module paths from before the layers (0.1.0's flat package) and from before the engine's rooms (its flat
+# engine/ folder) -> where the module lives now. Old pickles of a wrapped model name these paths.
+_ENGINE_ROOMS = {
+    "accumulator_hooks": "reducer.accumulator_hooks",
+    "backend_support": "transport.backend_support",
+    "backward_start": "reducer.backward_start",
+    "bucket_plan": "buckets.replanning",
+    "bucket_results": "reducer.bucket_results",
+    "bucketing": "buckets.plan",
+    "buckets": "buckets.storage",
+    "cgroup_memory": "transport.cgroup_memory",
+    "comm_stats": "reducer.comm_stats",
+    "consistency": "agreement.consistency",
+    "cuda_streams": "transport.cuda_streams",
+    "diagnosis": "agreement.progress_board",
+    "errors": "agreement.errors",
+    "grad_bucket": "buckets.grad_bucket",
+    "graph": "reducer.reachability",
+    "hook_signature": "transport.hook_signature",
+    "join": "module.join",
+    "launcher": "transport.launcher",
+    "module": "module.data_parallel",
+    "optim_in_backward": "optim.in_backward",
+    "optimizer_overlap": "optim.overlap",
+    "pickling": "module.pickling",
+    "piecewise_step": "optim.piecewise_step",
+    "placement": "module.placement",
+    "rank_settings": "module.rank_settings",
+    "reducer": "reducer.reducer",
+    "reducer_messages": "reducer.messages",
+    "replica_check": "agreement.replica_check",
+    "results_in_order": "reducer.results_in_order",
+    "shared_memory": "transport.shared_memory",
+    "sparse": "buckets.sparse",
+    "static_graph": "reducer.static_graph",
+    "synced_buffers": "module.synced_buffers",
+    "trainable_set": "module.trainable_set",
+    "transport": "transport.transports",
+    "unsupported_options": "module.unsupported_options",
+    "usage_log": "reducer.usage_log",
+    "used_parameters": "reducer.used_parameters",
+}
 _MOVED_MODULES = {
     **{
-        f"lightning_ddpx.{name}": f"lightning_ddpx.engine.{name}"
+        f"lightning_ddpx.{name}": f"lightning_ddpx.engine.{_ENGINE_ROOMS.get(name, name)}"
         for name in (
             "backward_start",
             "bucketing",
@@ -76,6 +123,12 @@ _MOVED_MODULES = {
             "static_graph",
         )
     },
+    # the engine's modules whose old name is not now a room's (engine.module, engine.reducer... are rooms)
+    **{
+        f"lightning_ddpx.engine.{name}": f"lightning_ddpx.engine.{room}"
+        for name, room in _ENGINE_ROOMS.items()
+        if name not in ("buckets", "module", "reducer", "transport")
+    },
     **{
         f"lightning_ddpx.{name}": f"lightning_ddpx.lightning.{name}"
         for name in (
@@ -91,10 +144,10 @@ _MOVED_MODULES = {
             "uneven",
         )
     },
-    "lightning_ddpx.distributed": "lightning_ddpx.engine.module",
+    "lightning_ddpx.distributed": "lightning_ddpx.engine.module.data_parallel",
     "lightning_ddpx.model_averaging": "lightning_ddpx.hooks.model_averaging",
     "lightning_ddpx.netns": "lightning_ddpx.bench.netns",
-    "lightning_ddpx.hooks.backend_support": "lightning_ddpx.engine.backend_support",
+    "lightning_ddpx.hooks.backend_support": "lightning_ddpx.engine.transport.backend_support",
     "lightning_ddpx.hooks.lowrank": "lightning_ddpx.hooks.powersgd.lowrank",
     "lightning_ddpx.hooks.powersgd_remap": "lightning_ddpx.hooks.powersgd.remap",
     "lightning_ddpx.hooks.powersgd_state": "lightning_ddpx.hooks.powersgd.state",

@@ -12,10 +12,11 @@ import os
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import lightning_ddpx
-from lightning_ddpx.engine.transport import SharedMemorySum
+from lightning_ddpx.engine.transport.transports import SharedMemorySum
 
 
 def rank_batch(rank: int, step: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -108,6 +109,23 @@ def set_shared_memory(enabled: bool) -> None:
     """In a test's worker process, before building the module: allow (the default) or refuse the
     shared-memory path (``DDPX_SHARED_MEMORY``, read when the module is built)."""
     os.environ["DDPX_SHARED_MEMORY"] = "1" if enabled else "0"
+
+
+class Branches(nn.Module):
+    """Rank 0 uses branch ``a``, the other ranks ``b``: the used-parameter bitmap differs per rank, and with
+    ``never`` a third branch is unused on every rank (its gradient stays None). Inputs have 16 features."""
+
+    def __init__(self, hidden: int = 16, out: int = 4, never: bool = True) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(16, hidden)
+        self.a = nn.Linear(hidden, out)
+        self.b = nn.Linear(hidden, out)
+        if never:
+            self.never = nn.Linear(hidden, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.trunk(x))
+        return self.a(h) if dist.get_rank() == 0 else self.b(h)
 
 
 def wide_4mib_mlp() -> nn.Module:

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_ddpx import DistributedDataParallel
-from lightning_ddpx.engine import shared_memory
-from lightning_ddpx.engine.errors import CommunicationError
+from lightning_ddpx.engine.agreement.errors import CommunicationError
+from lightning_ddpx.engine.transport import shared_memory
 
 
 def _die(*args: object) -> None:

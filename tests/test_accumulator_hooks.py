@@ -1,4 +1,4 @@
-"""Gradient readiness from the parameters' gradient accumulators (engine/accumulator_hooks.py), in one
+"""Gradient readiness from the parameters' gradient accumulators (engine/reducer/accumulator_hooks.py), in one
 process: after the parameter's own post-accumulate-grad hooks, at every backward, until removed."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_ddpx.engine.accumulator_hooks import AccumulatorHooks, gradient_accumulator
+from lightning_ddpx.engine.reducer.accumulator_hooks import AccumulatorHooks, gradient_accumulator
 
 
 def test_runs_after_the_parameters_own_hooks_at_every_backward_until_removed() -> None:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_ddpx.engine.bucketing import (
+from lightning_ddpx.engine.buckets.plan import (
     megabytes_to_bytes,
     plan_buckets,
     plan_initial_buckets,
     resolve_bucket_caps,
 )
-from lightning_ddpx.engine.graph import iter_tensors, reachable_parameter_indices
+from lightning_ddpx.engine.reducer.reachability import iter_tensors, reachable_parameter_indices
 
 F32, F16, CPU = torch.float32, torch.float16, torch.device("cpu")
 
@@ -179,7 +179,7 @@ def test_last_cap_splits_only_the_last_bucket_to_its_trailing_parameters():
 
 # ------------------------------------------------------------------------------------- chunk_ranges
 def test_chunk_ranges_cut_large_parameters_from_their_own_start() -> None:
-    from lightning_ddpx.engine.bucketing import CHUNK_ALIGN_ELEMENTS, chunk_ranges
+    from lightning_ddpx.engine.buckets.plan import CHUNK_ALIGN_ELEMENTS, chunk_ranges
 
     # two small parameters, one large (starting at 20, not aligned), one small after it
     offsets, numels = [0, 10, 20, 3000], [10, 10, 2980, 5000]

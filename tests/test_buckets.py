@@ -1,4 +1,4 @@
-"""Bucket storage without a process group (lightning_ddpx.engine.buckets): filling, single copies, views,
+"""Bucket storage without a process group (lightning_ddpx.engine.buckets.storage): filling, single copies, views,
 write-back and the plan's bookkeeping, each against the plain tensor arithmetic it stands for."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_ddpx.engine.bucketing import plan_buckets
-from lightning_ddpx.engine.buckets import Bucket, BucketLayout
+from lightning_ddpx.engine.buckets.plan import plan_buckets
+from lightning_ddpx.engine.buckets.storage import Bucket, BucketLayout
 
 SHAPES = [(4, 3), (3,), (5, 2), (2,), (7,)]
 

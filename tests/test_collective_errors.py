@@ -2,7 +2,7 @@
 with different hooks or options are stopped before the first step with a message naming the setting.
 
 Per site: rank 1 leaves the job (returns, destroying its process group) just before the site, and rank 0
-runs it. Rank 0 must raise :class:`~lightning_ddpx.engine.errors.CommunicationError` naming what it was doing and
+runs it. Rank 0 must raise :class:`~lightning_ddpx.engine.agreement.errors.CommunicationError` naming what it was doing and
 the peer, not gloo's bare "Connection reset by peer" (tests/test_no_hangs.py covers bucket reductions).
 Not reachable here, though wrapped the same way: the bfloat16 probe (gloo is known to reduce bfloat16, so
 it never probes), the used-parameter bitmap (bucket reductions before it fail first) and the weight
@@ -21,8 +21,8 @@ from torch import nn
 import lightning_ddpx
 import lightning_ddpx.hooks.model_averaging
 import lightning_ddpx.lightning.local_replicas
-from lightning_ddpx.engine.errors import CommunicationError
-from lightning_ddpx.engine.transport import MeanAllReduce
+from lightning_ddpx.engine.agreement.errors import CommunicationError
+from lightning_ddpx.engine.transport.transports import MeanAllReduce
 from lightning_ddpx.lightning.config import DDPXConfig
 from tests.dist_utils import run_distributed
 from tests.test_engine_oracle import SMALL_BUCKETS, conv_bn, conv_loss
@@ -210,7 +210,7 @@ def test_equal_settings_pass_the_check() -> None:
 
 
 def test_setting_difference_message_groups_ranks() -> None:
-    from lightning_ddpx.engine.consistency import describe_setting_difference
+    from lightning_ddpx.engine.agreement.consistency import describe_setting_difference
 
     message = describe_setting_difference(
         [

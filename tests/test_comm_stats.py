@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import lightning_ddpx
-from lightning_ddpx.engine.comm_stats import CommStatsWindow, StepCommStats
+from lightning_ddpx.engine.reducer.comm_stats import CommStatsWindow, StepCommStats
 from lightning_ddpx.hooks import build_comm_hook
 from tests.dist_utils import run_distributed
 

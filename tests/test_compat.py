@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import ast
 import datetime
+import inspect
+import sys
+import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -119,3 +123,64 @@ def test_the_scan_finds_private_names() -> None:
         "torch._foreach_copy_(a, b)\ndist._rank_not_in_group(g)\ntorch.autograd.Variable._execution_engine\n"
     )
     assert len(_private_uses(ast.parse(code))) == 5
+
+
+def test_optimizer_and_module_attributes_work() -> None:
+    """The attributes torch's optimizers, LR schedulers, optimizers in backward and DDP's ignore list keep on
+    the objects themselves, read and set through _compat."""
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    layer = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    assert torch_compat.has_step_hooks(optimizer) is False
+    handle = optimizer.register_step_post_hook(lambda *args: None)
+    assert torch_compat.has_step_hooks(optimizer) is True
+    handle.remove()
+    view = object.__new__(type(optimizer))
+    view.__dict__.update(optimizer.__dict__)
+    handle = optimizer.register_step_pre_hook(lambda *args: None)
+    torch_compat.without_step_hooks(view)
+    assert torch_compat.has_step_hooks(view) is False and torch_compat.has_step_hooks(optimizer) is True
+    handle.remove()
+
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    torch_compat.mark_stepped_for_lr_scheduler(optimizer)  # else scheduler.step() warns it ran first
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scheduler.step()
+
+    module = torch.nn.Linear(2, 2)
+    assert torch_compat.params_and_buffers_to_ignore(module) == set()
+    torch_compat.set_params_and_buffers_to_ignore(module, ["bias"])
+    assert torch_compat.params_and_buffers_to_ignore(module) == {"bias"}
+    assert torch_compat.in_backward_optimizers(module.weight) == []
+    _apply_optimizer_in_backward(torch.optim.SGD, [module.weight], {"lr": 0.1})
+    try:
+        assert len(torch_compat.in_backward_optimizers(module.weight)) == 1
+    finally:  # other tests count torch's registrations: leave none behind
+        handles = sys.modules[
+            "torch.distributed.optim.apply_optimizer_in_backward"
+        ].param_to_optim_hook_handle_map
+        for handle in handles.pop(module.weight, []):
+            handle.remove()
+
+
+def test_lightning_wrapper_attributes_work() -> None:
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+    from lightning.pytorch.plugins.precision import Precision as LightningPrecision
+
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    assert lightning_compat.unwrapped_optimizer(LightningOptimizer(optimizer)) is optimizer
+    assert lightning_compat.unwrapped_optimizer(optimizer) is optimizer
+    module = torch.nn.Linear(2, 2)
+    assert lightning_compat.forward_module(module) is module
+    ran = []
+
+    class Precision:
+        def _wrap_closure(self, model: object, optimizer: object, closure: Any) -> Any:
+            return closure()
+
+    assert lightning_compat.wrap_closure(Precision(), None, optimizer, lambda: ran.append(1) or 7) == 7
+    assert ran == [1]
+    wrapped = inspect.signature(LightningPrecision._wrap_closure).parameters  # what wrap_closure calls
+    assert list(wrapped) == ["self", "model", "optimizer", "closure"]

@@ -56,6 +56,7 @@ def train(
         optimizer.zero_grad()
         (call(x).pow(2).mean() * (rank + 1)).backward()
         optimizer.step()
+        ddp.average_parameters_after_step()  # DiLoCo's outer step, post-local SGD's averaging; else nothing
     graphs = lightning_ddpx.compiled_graphs(ddp)
     ddp.close()
     return [p.detach().clone() for p in model.parameters()], graphs

@@ -41,16 +41,15 @@ from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as to
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
 import lightning_ddpx
-from lightning_ddpx.engine import launcher
-from lightning_ddpx.engine.cuda_streams import (
+from lightning_ddpx.engine.buckets.grad_bucket import collectives_issued_on_call, issues_collectives_on_call
+from lightning_ddpx.engine.transport import launcher
+from lightning_ddpx.engine.transport.cuda_streams import (
     comm_thread_stream,
     current_stream,
-    on_stream,
     result_future,
     stream_scope,
     wait_streams,
 )
-from lightning_ddpx.engine.grad_bucket import collectives_issued_on_call, issues_collectives_on_call
 from lightning_ddpx.hooks import PowerSGDOptions, available_hooks, build_comm_hook
 from tests.dist_utils import run_distributed
 
@@ -123,12 +122,8 @@ def test_every_registered_hook_has_a_cuda_oracle():
 
 
 def test_stream_helpers_are_no_ops_off_cuda():
-    def call() -> int:
-        return 7
-
     cpu = torch.device("cpu")
     assert current_stream(cpu) is None
-    assert on_stream(None, call) is call
     wait_streams(None, [None])  # nothing to wait on, nothing raised
     assert comm_thread_stream(cpu) is None
     with stream_scope(None):
@@ -142,9 +137,10 @@ def test_the_communication_thread_hands_results_over_on_its_own_stream(monkeypat
     """The launcher's CUDA plumbing, with the stream seams replaced by recorders (no GPU needed): the thread
     asks for its stream once, for the launcher's device; the hook is called, its future waited for and the
     handed-over future completed all inside that stream's scope (so the event recorded by ``set_result``
-    follows the result); the handed-over future is the one made for the device."""
+    follows the result), the hook itself with the stream it was submitted with made current inside that; the
+    handed-over future is the one made for the device."""
     log: list[tuple[str, ...]] = []
-    stream = "the thread's stream"
+    stream, launch_stream = "the thread's stream", "the bucket's launch stream"
 
     @contextlib.contextmanager
     def scope(s: Any) -> Iterator[None]:
@@ -185,7 +181,7 @@ def test_the_communication_thread_hands_results_over_on_its_own_stream(monkeypat
     device = torch.device("meta")  # any device: only passed through to the seams
     sequenced = launcher.SequencedLauncher(name="test-stream-handover", device=device)
     try:
-        results = [sequenced.submit(task) for _ in range(2)]
+        results = [sequenced.submit(task, stream=launch_stream) for _ in range(2)]
         assert [r.wait().tolist() for r in results] == [[3.0, 3.0]] * 2
     finally:
         assert sequenced.close(timeout=10)
@@ -194,7 +190,9 @@ def test_the_communication_thread_hands_results_over_on_its_own_stream(monkeypat
     thread = "test-stream-handover"
     one_task = [
         ("enter", stream),
+        ("enter", launch_stream),
         ("hook called",),
+        ("exit", launch_stream),
         ("hook future waited", thread),
         ("result handed over", thread),
         ("exit", stream),
@@ -205,7 +203,7 @@ def test_the_communication_thread_hands_results_over_on_its_own_stream(monkeypat
 def test_the_reducer_gives_the_communication_thread_its_device(monkeypatch):
     """A hook run on the communication thread gets a launcher for the parameters' device (whose futures
     carry CUDA events on a GPU), and the results still arrive (one rank: the gradients themselves)."""
-    from lightning_ddpx.engine import transport as transport_module
+    from lightning_ddpx.engine.transport import transports as transport_module
     from tests.dist_utils import one_rank_group
 
     devices: list[torch.device | None] = []
@@ -677,24 +675,53 @@ def test_trainer_on_one_gpu_matches_ddp(trainer_results, precision):
 # ------------------------------------------------------------------------- DiLoCo's quantized exchanges
 @pytest.mark.cuda
 @needs_gpus(1)
+@pytest.mark.parametrize("count", [3, 7, 127])
+def test_cudas_division_rule_is_the_one_the_cpu_tests_reproduce(count):
+    """CUDA divides by a Python number (or a CPU scalar tensor) as tests/cuda_division.py says -- a product
+    with the rounded reciprocal -- and by a tensor on the GPU correctly rounded, as the CPU does."""
+    from lightning_ddpx.hooks.outer_exchange import divide
+    from tests.cuda_division import CudaDivisionRule, correctly_rounded_quotient
+
+    values = torch.randn(100_003, generator=torch.Generator().manual_seed(count))
+    values *= torch.logspace(-30, 30, values.numel())
+    with CudaDivisionRule():
+        reproduced = values / count
+    assert torch.equal((values.cuda() / count).cpu(), reproduced)
+    assert torch.equal((values.cuda() / torch.tensor(float(count))).cpu(), reproduced)
+    assert not torch.equal(reproduced, correctly_rounded_quotient(values, count))
+    assert torch.equal(divide(values.cuda(), count).cpu(), correctly_rounded_quotient(values, count))
+
+
+@pytest.mark.cuda
+@needs_gpus(1)
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_outer_deltas_are_the_same_bytes_on_the_gpu(bits):
+    """Random blocks, and blocks whose scale a product with the reciprocal of qmax would round differently:
+    the GPU's scales are the correctly rounded quotients, and its bytes the CPU's."""
     from lightning_ddpx.hooks.outer_exchange import BLOCK, dequantize, quantize
+    from tests.cuda_division import correctly_rounded_quotient
+    from tests.test_diloco_units import blocks_where_the_reciprocal_misses
 
     torch.manual_seed(0)
-    values = torch.randn(4, 4 * BLOCK) * torch.logspace(-6, 2, 4).view(4, 1)
+    qmax = 2 ** (bits - 1) - 1
+    random = torch.randn(4, 4 * BLOCK) * torch.logspace(-6, 2, 4).view(4, 1)
+    values = torch.cat([random, blocks_where_the_reciprocal_misses(qmax, 16).reshape(4, 4 * BLOCK)])
     on_cpu, on_gpu = quantize(values, bits), quantize(values.cuda(), bits)
+    scales = on_gpu.cpu()[:, 4 * BLOCK * bits // 8 :].contiguous().view(torch.float32)
+    amax = values.view(8, 4, BLOCK).abs().amax(dim=2)
+    assert torch.equal(scales, correctly_rounded_quotient(amax, qmax))
     assert torch.equal(on_gpu.cpu(), on_cpu)
     assert torch.equal(dequantize(on_gpu, bits, 4 * BLOCK).cpu(), dequantize(on_cpu, bits, 4 * BLOCK))
 
 
 def run_quantized_exchanges_on_one_gpu(rank: int, world_size: int) -> dict[str, torch.Tensor]:
-    """Both ranks on cuda:0 over gloo: the all-to-all and the all-gather of int8/int4 codes on CUDA tensors,
-    against the same exchange of the same deltas on the CPU."""
+    """Every rank on cuda:0 over gloo: the all-to-all and the all-gather of int8/int4 codes on CUDA tensors,
+    against the same exchange of the same deltas on the CPU (three ranks: the mean's division by the world
+    size has no exact reciprocal)."""
     from lightning_ddpx.hooks.outer_exchange import start_exchange
 
     _init_gloo_on_one_gpu(rank, world_size)
-    delta = torch.randn(3000, generator=torch.Generator().manual_seed(rank))
+    delta = torch.randn(3000, generator=torch.Generator().manual_seed(rank)) * torch.logspace(-4, 1, 3000)
     out = {}
     for precision in ("int8", "int4"):
         for device in ("cpu", "cuda"):
@@ -708,7 +735,7 @@ def run_quantized_exchanges_on_one_gpu(rank: int, world_size: int) -> dict[str, 
 @pytest.mark.slow
 @needs_gpus(1)
 def test_quantized_outer_exchanges_on_cuda_tensors_equal_the_cpus():
-    results = run_distributed(run_quantized_exchanges_on_one_gpu, 2, init_process_group=False, timeout=300)
+    results = run_distributed(run_quantized_exchanges_on_one_gpu, 3, init_process_group=False, timeout=300)
     for precision in ("int8", "int4"):
         reference = results[0][f"{precision} cpu"]
         for out in results:

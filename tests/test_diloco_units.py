@@ -1,9 +1,11 @@
 """DiLoCo without a second rank: options and their errors, the fragment split, the strategies' refusals, the
 checkpoint state (plain, ``weights_only``-loadable, round trip), and the benchmark's DiLoCo contenders and
-byte counting."""
+byte counting. Also the quantized exchange's arithmetic: the same bits under the CPU's and CUDA's rules
+for a division (CUDA's reproduced on the CPU by ``tests/cuda_division.py``), one test on three ranks."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 from types import SimpleNamespace
 
@@ -12,15 +14,18 @@ import torch
 from torch import nn
 
 from lightning_ddpx.hooks.diloco import DiLoCoOptions, DiLoCoState, fragment_of_parameters
-from lightning_ddpx.hooks.outer_exchange import BLOCK, dequantize, quantize
+from lightning_ddpx.hooks.outer_exchange import BLOCK, dequantize, divide, quantize, start_exchange
 from lightning_ddpx.lightning.config import DDPXConfig
-from tests.dist_utils import one_rank_group
+from tests.cuda_division import CudaDivisionRule, correctly_rounded_quotient
+from tests.dist_utils import one_rank_group, run_distributed
 
 
 @pytest.mark.parametrize(
     ("options", "error", "match"),
     [
-        ({"period": 0}, ValueError, "diloco option period must be an integer >= 1"),
+        ({"period": 0}, ValueError, "DiLoCoOptions: period must be >= 1, got 0"),
+        ({"period": 2.0}, TypeError, r"DiLoCoOptions: period must be an integer >= 1, got 2.0 \(float\)"),
+        ({"overlap_steps": True}, TypeError, "overlap_steps must be an integer >= 0, got True"),
         ({"outer_lr": -1}, ValueError, "outer_lr must be a finite number >= 0"),
         ({"outer_lr": float("inf")}, ValueError, "outer_lr must be a finite number >= 0"),
         ({"outer_lr": 10**400}, ValueError, "outer_lr must be a finite number >= 0"),  # no float holds it
@@ -298,3 +303,85 @@ def test_a_fragment_of_empty_parameters_trains_in_every_precision(precision: str
             state.averager.average_parameters(None)
         assert state.syncs == 4 and params[1].numel() == 0
         assert not torch.equal(state.anchors[0], initial)  # the outer steps moved the other fragment
+
+
+# ------------------------------------------------- the same bits whichever device a rank computes on
+RULES = {"the CPU's": contextlib.nullcontext, "CUDA's": CudaDivisionRule}
+
+
+def blocks_where_the_reciprocal_misses(qmax: int, count: int) -> torch.Tensor:
+    """``count`` blocks (rows of :data:`BLOCK` values) whose largest magnitude ``a`` has
+    ``a * float32(1 / qmax) != a / qmax`` correctly rounded: blocks whose scale CUDA would get wrong if the
+    codec divided by the number ``qmax`` (about 1 in 2 magnitudes for int4's 7, 1 in 20 for int8's 127)."""
+    generator = torch.Generator().manual_seed(qmax)
+    candidates = torch.rand(100 * count, generator=generator) * torch.logspace(-20, 20, 100 * count)
+    reciprocal = torch.ones(()) / torch.full((), float(qmax))
+    amax = candidates[candidates * reciprocal != correctly_rounded_quotient(candidates, qmax)][:count]
+    assert amax.numel() == count
+    blocks = (torch.rand(count, BLOCK, generator=generator) * 2 - 1) * amax[:, None]
+    signs = torch.where(torch.arange(count) % 2 == 0, 1.0, -1.0)
+    blocks[torch.arange(count), torch.arange(count) % BLOCK] = signs * amax  # the largest, at any place
+    return blocks
+
+
+@pytest.mark.parametrize("count", [2, 3, 7, 127, 1000])
+def test_divide_is_correctly_rounded_under_cudas_rule_where_dividing_by_a_number_is_not(count: int) -> None:
+    generator = torch.Generator().manual_seed(count)
+    values = torch.randn(10_007, generator=generator) * torch.logspace(-30, 30, 10_007)
+    exact = correctly_rounded_quotient(values, count)
+    assert torch.equal(values / count, exact)  # the CPU divides
+    assert torch.equal(divide(values, count), exact)
+    rule = CudaDivisionRule()
+    with rule:
+        by_tensor, by_number = divide(values, count), values / count
+    assert rule.replaced == 1  # the division by the number, not the one by a tensor
+    assert torch.equal(by_tensor, exact)
+    if count & (count - 1):  # no exact reciprocal: CUDA's rule misses some quotients
+        assert not torch.equal(by_number, exact)
+    else:
+        assert torch.equal(by_number, exact)
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+@pytest.mark.parametrize("bits", [8, 4])
+def test_each_scale_is_the_correctly_rounded_quotient_under_either_rule(bits: int, rule: str) -> None:
+    """Each block's scale is ``amax / qmax`` correctly rounded, and the bytes are the same, whether a
+    division by a number is computed as the CPU does or as CUDA does: on blocks where CUDA's rule would give
+    another scale, and on random blocks of magnitudes from 1e-8 to 1e8."""
+    qmax = 2 ** (bits - 1) - 1
+    hard = blocks_where_the_reciprocal_misses(qmax, 64).reshape(8, 8 * BLOCK)
+    generator = torch.Generator().manual_seed(bits)
+    random = torch.randn(8, 8 * BLOCK, generator=generator) * torch.logspace(-8, 8, 8).view(8, 1)
+    blocks = torch.cat([hard, random])
+    with RULES[rule]():
+        payload = quantize(blocks, bits)
+    scales = payload[:, 8 * BLOCK * bits // 8 :].contiguous().view(torch.float32)
+    amax = blocks.view(16, 8, BLOCK).abs().amax(dim=2)
+    assert torch.equal(scales, correctly_rounded_quotient(amax, qmax))
+    assert torch.equal(payload, quantize(blocks, bits))
+
+
+def exchange_under_both_rules(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """This rank's int8 and int4 exchanges of the same change, computed under the CPU's and CUDA's rules."""
+    generator = torch.Generator().manual_seed(rank)
+    delta = torch.randn(3000, generator=generator) * torch.logspace(-4, 1, 3000)
+    out = {}
+    for precision in ("int8", "int4"):
+        for rule, context in RULES.items():
+            with context():
+                exchange = start_exchange(delta.clone(), precision, None, async_op=False, what="a test delta")
+                out[f"{precision} {rule}"] = exchange.result().clone()
+    return out
+
+
+@pytest.mark.slow
+def test_quantized_means_are_the_same_bits_under_either_devices_rule_on_three_ranks() -> None:
+    """Three ranks, so that the mean's division by the world size has no exact reciprocal: each rank's mean
+    is the same bits under the CPU's and CUDA's rules, and on every rank (``tests/test_cuda.py`` runs the
+    exchange on CUDA tensors)."""
+    results = run_distributed(exchange_under_both_rules, 3, timeout=120)
+    for precision in ("int8", "int4"):
+        reference = results[0][f"{precision} the CPU's"]
+        for out in results:
+            for rule in RULES:
+                assert torch.equal(out[f"{precision} {rule}"], reference), (precision, rule)

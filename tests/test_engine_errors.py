@@ -103,7 +103,8 @@ def engine_errors(rank: int, world_size: int) -> dict:
         out["second_backward_in_no_sync"] = message_of(lambda: loss.backward())
     out["after_second_backward"] = message_of(lambda: mlp_loss(twice, 1).backward())
     # torch's DDP lets a backward through .module pass (local gradients), e.g. evaluating the raw module on
-    # one rank after training: so does ours (only a second backward through the wrapper's outputs is refused)
+    # one rank after training: so does ours (only a second backward through the wrapper's outputs is refused;
+    # a LocalGradientWarning names it once, see tests/test_late_gradients.py)
     out["module_backward"] = message_of(lambda: twice.module(torch.ones(2, 16)).sum().backward())
     return out
 

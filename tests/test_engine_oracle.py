@@ -15,7 +15,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 import lightning_ddpx
 from tests.dist_utils import run_distributed
-from tests.oracle import rank_batch, set_shared_memory, train_side_by_side, wide_4mib_mlp
+from tests.oracle import Branches, rank_batch, set_shared_memory, train_side_by_side, wide_4mib_mlp
 
 SMALL_BUCKETS = {"bucket_cap_mb": 0.004, "first_bucket_cap_mb": 0.001}  # ~1000 and ~250 floats
 STEPS = 10
@@ -52,21 +52,6 @@ def conv_bn() -> nn.Module:
 def conv_loss(model: nn.Module, step: int) -> torch.Tensor:
     rank = dist.get_rank()
     return model(rank_batch(rank, step, (4, 3, 10, 10))).pow(2).mean()
-
-
-class Branches(nn.Module):
-    """Rank 0 uses branch ``a``, the others branch ``b``; ``never`` is unused on every rank."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.trunk = nn.Linear(16, 16)
-        self.a = nn.Linear(16, 4)
-        self.b = nn.Linear(16, 4)
-        self.never = nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(self.trunk(x))
-        return self.a(h) if dist.get_rank() == 0 else self.b(h)
 
 
 class Frozen(nn.Module):

@@ -315,6 +315,16 @@ def failing_hook(state: Any, bucket: Any) -> torch.futures.Future:
     raise ValueError("deliberate failure in a user hook")
 
 
+def averaging_skipped(rank: int) -> None:
+    """DiLoCo on the bare module, with no ``average_parameters_after_step()`` after the optimizer step."""
+    model = DDP(net())
+    model.register_comm_hook(*build_comm_hook("diloco", diloco={"period": 2}))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        loss_of(model, rank).backward()
+        optimizer.step()
+
+
 def backward_with_hook(hook: Callable[..., Any]) -> Callable[[int], None]:
     def trigger(rank: int) -> None:
         model = DDP(net())
@@ -483,6 +493,9 @@ CASES: list[Case] = [
          ("integer_result", "torch.int32", "floating dtype"), "two_ranks"),
     Case("hook_raises", backward_with_hook(failing_hook), RuntimeError,
          ("failing_hook", "bucket 0", "deliberate failure"), "two_ranks"),
+    Case("parameter_averaging_skipped", averaging_skipped, RuntimeError,
+         ("rank {rank}", "DiLoCo's outer step", "model.average_parameters_after_step() after every optimizer.step()",
+          "docs/diloco.md"), "two_ranks"),
 ]  # fmt: skip
 BY_ID = {case.id: case for case in CASES}
 LOCAL = [case for case in CASES if case.where != "two_ranks"]

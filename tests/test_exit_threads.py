@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_ddpx.engine import exit_threads
-from lightning_ddpx.engine.launcher import SequencedLauncher
+from lightning_ddpx.engine.transport.launcher import SequencedLauncher
 
 
 def test_started_threads_are_stopped_by_stop_all() -> None:

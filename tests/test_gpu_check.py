@@ -55,3 +55,22 @@ def test_a_part_out_of_time_fails_the_check(tmp_path):
     done = run_job([*SCRIPT, "--dry-run", "--results-dir", str(tmp_path)], timeout=120, env=env)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "TIMED OUT" in done.stdout and "gpu_check: FAILED" in done.stdout
+
+
+def test_the_summary_tables_peak_memory_column_gives_ours_then_torchs_as_its_header_says():
+    from benchmarks.bench_gpu import HEADERS, table_rows
+
+    result = {
+        "summary": {"baseline_ms": 10.0, "candidate_ms": 10.5, "ratio": 1.05},
+        "target_ratio": None,
+        "result": "-",
+        "overhead": {"host_us_per_bucket": 12.0},
+        "host_syncs_per_step": {"ours": 0.0, "torch": 1.0},
+        "memory": {"ours": {"peak_bytes": 300 * 2**20}, "torch": {"peak_bytes": 200 * 2**20}},
+        "extra_peak_in_buckets": 0.5,
+    }
+    (row,) = table_rows("nccl_ws1", {"gpt2": result})
+    cells = dict(zip(HEADERS, row))
+    assert cells["peak MiB ours / torch"] == "300 / 200"
+    assert cells["syncs/step ours / torch"] == "0.0 / 1.0"
+    assert (cells["torch ms"], cells["ours ms"]) == ("10.0", "10.5")

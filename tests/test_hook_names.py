@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from lightning_ddpx.engine.transport import hook_name
+from lightning_ddpx.engine.transport.transports import hook_name
 from lightning_ddpx.hooks import allreduce_hook
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ddpx import GradBucket
-from lightning_ddpx.engine.grad_bucket import issues_collectives_on_call
+from lightning_ddpx.engine.buckets.grad_bucket import issues_collectives_on_call
 from lightning_ddpx.hooks import (
     PowerSGDOptions,
     PowerSGDState,

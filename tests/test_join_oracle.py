@@ -9,6 +9,7 @@ torch twin that joins on several gloo buckets (PowerSGD) must run to the end wit
 from __future__ import annotations
 
 import copy
+import functools
 import os
 from typing import Any
 
@@ -21,7 +22,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 import lightning_ddpx
 from lightning_ddpx import hooks
 from tests.dist_utils import run_distributed
-from tests.oracle import default_path, rank_batch, set_shared_memory, wide_4mib_mlp
+from tests.oracle import Branches, default_path, rank_batch, set_shared_memory, wide_4mib_mlp
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -38,20 +39,6 @@ def conv_bn() -> nn.Module:
         nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4),
     )  # fmt: skip
-
-
-class Branches(nn.Module):
-    """Rank 0 uses branch ``a``, the others ``b``: the used-parameter bitmap differs per rank."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.trunk = nn.Linear(16, 16)
-        self.a = nn.Linear(16, 4)
-        self.b = nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(self.trunk(x))
-        return self.a(h) if dist.get_rank() == 0 else self.b(h)
 
 
 class SideInNoSync(nn.Module):
@@ -121,7 +108,10 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "mlp_current_world_size": {"join": {"divide_by_initial_world_size": False}},
     "mlp_no_sync": {"accumulate": 2},
     "conv_bn": {"build": conv_bn, "conv": True},
-    "branches_unused": {"build": Branches, "kwargs": {"find_unused_parameters": True}},
+    "branches_unused": {
+        "build": functools.partial(Branches, never=False),
+        "kwargs": {"find_unused_parameters": True},
+    },
     "side_only_in_no_sync": {
         "build": SideInNoSync,
         "kwargs": {"find_unused_parameters": True},

@@ -22,7 +22,7 @@ def test_engine_names_import_without_lightning() -> None:
     loaded = _python(
         "import sys\n"
         "from lightning_ddpx import DistributedDataParallel, GradBucket, BucketInfo, compile_model\n"
-        "import lightning_ddpx.hooks, lightning_ddpx.engine.reducer\n"
+        "import lightning_ddpx.hooks, lightning_ddpx.engine.reducer.reducer\n"
         "print(sorted(m for m in sys.modules if m == 'lightning' or m.startswith('lightning.')))"
     )
     assert loaded == "[]"

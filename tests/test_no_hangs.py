@@ -7,7 +7,7 @@ import time
 import pytest
 
 import lightning_ddpx
-from lightning_ddpx.engine.errors import CommunicationError
+from lightning_ddpx.engine.agreement.errors import CommunicationError
 from tests.dist_utils import run_distributed
 from tests.test_engine_oracle import SMALL_BUCKETS, mlp, mlp_loss
 

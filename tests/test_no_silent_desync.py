@@ -41,9 +41,8 @@ import torch.distributed as dist
 from torch import nn
 
 import lightning_ddpx
-from lightning_ddpx.engine.replica_check import ReplicaMismatchError
+from lightning_ddpx.engine.agreement.replica_check import ReplicaMismatchError
 from lightning_ddpx.hooks import available_hooks, build_comm_hook
-from lightning_ddpx.hooks.model_averaging import PeriodicModelAverager
 from tests.dist_utils import run_distributed
 from tests.oracle import rank_batch
 
@@ -84,12 +83,8 @@ class Run:
         )
         self.state, hook_fn = build_comm_hook(hook, **HOOK_OPTIONS.get(hook, {}))
         self.model.register_comm_hook(self.state, hook_fn)
-        self.averager = (
-            PeriodicModelAverager(period=2, warmup_steps=START) if hook == "post_local_sgd" else None
-        )
-        if hook == "diloco":  # what the strategies do at set-up: the outer step after every optimizer step
-            self.state.attach(self.base.named_parameters())
-            self.averager = self.state.averager
+        # post-local SGD's averager, DiLoCo's outer step: bound by the registration, run after every step
+        self.averager = self.model.parameter_averaging
         self.synchronised = (
             True  # whether the replicas must agree after this step (DiLoCo: after outer steps)
         )
@@ -129,7 +124,7 @@ class Run:
         if not self.model.optimizer_stepped_in_backward:
             self.optimizer.step()
         if self.averager is not None:
-            applied = self.averager.average_parameters(self.base.parameters())
+            applied = self.model.average_parameters_after_step()
             self.synchronised = self.hook != "diloco" or applied
 
     def verify_if_synchronised(self, step: int) -> None:
@@ -200,7 +195,7 @@ def train(hook: str, mode: str, resume: bool) -> dict[str, torch.Tensor]:
 
 
 def _local_digest(run: Run) -> torch.Tensor:
-    from lightning_ddpx.engine.replica_check import _fold, tensor_digest
+    from lightning_ddpx.engine.agreement.replica_check import _fold, tensor_digest
 
     return _fold(torch.stack([tensor_digest(p) for p in run.base.parameters()]))
 

@@ -10,6 +10,7 @@ several buckets, and after every step the parameters AND the optimizer state mus
 from __future__ import annotations
 
 import copy
+import functools
 import os
 from typing import Any, Callable
 
@@ -20,9 +21,9 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import lightning_ddpx
-from lightning_ddpx.engine.optimizer_overlap import check_overlappable
+from lightning_ddpx.engine.optim.overlap import check_overlappable
 from tests.dist_utils import run_distributed
-from tests.oracle import rank_batch
+from tests.oracle import Branches, rank_batch
 
 SMALL_BUCKETS = {
     "bucket_cap_mb": 0.001,
@@ -40,19 +41,7 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
 
 
-class Branches(nn.Module):
-    """Rank 0 uses ``a``, rank 1 ``b``; ``never`` is unused on every rank (its grad stays None)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.trunk = nn.Linear(16, 64)
-        self.a = nn.Linear(64, 8)
-        self.b = nn.Linear(64, 8)
-        self.never = nn.Linear(64, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(self.trunk(x))
-        return self.a(h) if dist.get_rank() == 0 else self.b(h)
+WIDE_BRANCHES = functools.partial(Branches, hidden=64, out=8)
 
 
 class ScaledInput(nn.Module):
@@ -274,10 +263,10 @@ SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     ),
     "accumulate_no_sync": lambda: side_by_side(mlp, lambda m: sgd(m.parameters()), SMALL_BUCKETS, accumulate=3),
     "find_unused": lambda: side_by_side(
-        Branches, lambda m: sgd(m.parameters()), {**SMALL_BUCKETS, "find_unused_parameters": True}
+        WIDE_BRANCHES, lambda m: sgd(m.parameters()), {**SMALL_BUCKETS, "find_unused_parameters": True}
     ),
     "find_unused_adamw": lambda: side_by_side(
-        Branches, adamw_two_groups, {**SMALL_BUCKETS, "find_unused_parameters": True}
+        WIDE_BRANCHES, adamw_two_groups, {**SMALL_BUCKETS, "find_unused_parameters": True}
     ),
     "static_graph": lambda: side_by_side(mlp, adamw_two_groups, {**SMALL_BUCKETS, "static_graph": True}),
     "state_reloaded": lambda: side_by_side(mlp, adamw_two_groups, SMALL_BUCKETS, reload_state_at=3),

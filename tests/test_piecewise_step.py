@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_ddpx.engine.bucketing import chunk_ranges
-from lightning_ddpx.engine.piecewise_step import (
+from lightning_ddpx.engine.buckets.plan import chunk_ranges
+from lightning_ddpx.engine.optim.piecewise_step import (
     ELEMENTWISE_OPTIMIZERS,
     PiecewiseStep,
     optimizer_view,

@@ -77,7 +77,11 @@ def test_named_hook_options_reach_the_state_and_are_refused_elsewhere():
             ValueError,
             "Set comm_hook='post_local_sgd'",
         ),
-        ({"comm_hook": "post_local_sgd", "powersgd": {"start_powerSGD_iter": 2}}, ValueError, "takes none"),
+        (
+            {"comm_hook": "post_local_sgd", "powersgd": {"start_powerSGD_iter": 2}},
+            ValueError,
+            "takes no powersgd options (its own go in post_local_sgd=...)",
+        ),
         (
             {"comm_hook": "post_local_sgd", "model_averaging_period": 0},
             ValueError,

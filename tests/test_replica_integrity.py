@@ -20,7 +20,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 import lightning_ddpx
-from lightning_ddpx.engine.replica_check import ReplicaMismatchError, _fold, tensor_digest
+from lightning_ddpx.engine.agreement.replica_check import ReplicaMismatchError, _fold, tensor_digest
 from tests.dist_utils import run_distributed
 from tests.oracle import rank_batch
 

@@ -1,4 +1,4 @@
-"""The end of backward's one walk (engine/results_in_order.py), with a stand-in reducer: buckets in launch
+"""The end of backward's one walk (engine/reducer/results_in_order.py), with a stand-in reducer: buckets in launch
 order, the used-parameter bitmap waited for once, every second of waiting counted."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from lightning_ddpx.engine.results_in_order import ResultsInOrder
+from lightning_ddpx.engine.reducer.results_in_order import ResultsInOrder
 
 
 class _Reducer:

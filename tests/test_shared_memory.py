@@ -1,4 +1,4 @@
-"""Two CPU ranks on one machine sum buckets through shared memory (lightning_ddpx.engine.shared_memory).
+"""Two CPU ranks on one machine sum buckets through shared memory (lightning_ddpx.engine.transport.shared_memory).
 
 The sums themselves are checked against torch's DDP bit for bit in tests/test_engine_oracle.py and
 tests/test_join_oracle.py. Here: the set-up's own checks in one process (another machine's file, a full
@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch import nn
 
 import lightning_ddpx
-from lightning_ddpx.engine import shared_memory
-from lightning_ddpx.engine.cgroup_memory import cgroup_memory_room
+from lightning_ddpx.engine.transport import shared_memory
+from lightning_ddpx.engine.transport.cgroup_memory import cgroup_memory_room
 from tests.dist_utils import free_port, job_env, one_rank_group, run_distributed, run_jobs
 from tests.oracle import assert_same_tensors, default_path, rank_batch, set_shared_memory, train_side_by_side
 

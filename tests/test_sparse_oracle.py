@@ -20,7 +20,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 import lightning_ddpx
 from lightning_ddpx import hooks
-from lightning_ddpx.engine.bucketing import plan_buckets
+from lightning_ddpx.engine.buckets.plan import plan_buckets
 from tests.dist_utils import one_rank_group, run_distributed
 from tests.oracle import assert_same_tensors, default_path, set_shared_memory
 

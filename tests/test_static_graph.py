@@ -107,7 +107,7 @@ def scenario(rank: int, build, ours: dict, theirs: dict, accumulate: int = 1) ->
 
 def count_graph_walks(rank: int, **ours_kwargs) -> int:
     """Graph walks of our reducer in STEPS synchronised iterations (the module's own training loop)."""
-    import lightning_ddpx.engine.reducer as reducer_module
+    import lightning_ddpx.engine.reducer.reducer as reducer_module
 
     calls = []
     original = reducer_module.unreachable_parameter_indices
@@ -177,7 +177,7 @@ def run_all(rank: int, world_size: int) -> dict:
             rank, SharedCheckpointedNonReentrant, static, {"find_unused_parameters": True}, accumulate=2
         ),
     }
-    # Without static_graph: the reduction starts in the outermost backward (lightning_ddpx/engine/backward_start.py).
+    # Without static_graph: the reduction starts in the outermost backward (lightning_ddpx/engine/reducer/backward_start.py).
     scenarios["dynamic_checkpoint_reentrant"] = lambda: scenario(rank, CheckpointedOnce, {}, {})
     scenarios["dynamic_inplace_output"] = lambda: train_side_by_side(
         rank,

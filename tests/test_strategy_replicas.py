@@ -15,7 +15,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer, seed_everythin
 from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint
 
 from lightning_ddpx import DDPXStrategy
-from lightning_ddpx.engine.replica_check import ReplicaMismatchError
+from lightning_ddpx.engine.agreement.replica_check import ReplicaMismatchError
 from tests.dist_utils import run_distributed
 from tests.strategy_helpers import TinyRegressor, fit, parameters_of, quiet
 
@@ -130,8 +130,9 @@ def test_fabric_verifies_every_n_steps_and_before_saving(tmp_path: os.PathLike) 
 
 
 def test_the_option_is_checked_when_the_strategy_is_built() -> None:
-    for bad in (0, -1, 1.5, True, "10"):
-        with pytest.raises(ValueError, match="verify_replicas_every_n_steps must be a positive number"):
+    refused = ((0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError), ("10", TypeError))
+    for bad, error in refused:
+        with pytest.raises(error, match="verify_replicas_every_n_steps must be (an integer )?>= 1 or None"):
             DDPXStrategy(verify_replicas_every_n_steps=bad)  # type: ignore[arg-type]
     with pytest.raises(
         ValueError, match="verify_replicas_every_n_steps cannot be combined with post-local SGD"

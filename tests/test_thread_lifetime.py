@@ -1,8 +1,8 @@
 """No lightning_ddpx thread outlives training: a notebook or a test process that trains again must not
 accumulate them (Lightning's own test suite fails a test that leaves a thread behind).
 
-The progress writer (:mod:`lightning_ddpx.engine.diagnosis`) and the communication thread
-(:mod:`lightning_ddpx.engine.launcher`) end when the module is closed, which the Trainer strategy does at
+The progress writer (:mod:`lightning_ddpx.engine.agreement.progress_board`) and the communication thread
+(:mod:`lightning_ddpx.engine.transport.launcher`) end when the module is closed, which the Trainer strategy does at
 teardown and the Fabric strategy in ``strategy.teardown()``. The writer also ends with its board (the module
 collected), after a while without records, and on ``stop()`` -- how Lightning's test fixtures stop
 left-over daemon threads. Oracle: Lightning's ``ddp`` leaves no thread of its own after ``fit``.
@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_ddpx.engine import diagnosis
-from lightning_ddpx.engine.diagnosis import WRITER_THREAD_NAME, ProgressBoard
+from lightning_ddpx.engine.agreement import progress_board
+from lightning_ddpx.engine.agreement.progress_board import WRITER_THREAD_NAME, ProgressBoard
 from tests.dist_utils import one_rank_group, run_distributed
 from tests.strategy_helpers import fit, quiet
 
@@ -70,7 +70,7 @@ def test_stop_ends_the_writer_and_the_next_record_starts_another():
 
 
 def test_an_idle_writer_ends_by_itself(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(diagnosis, "_IDLE_EXIT_S", 0.01)
+    monkeypatch.setattr(progress_board, "_IDLE_EXIT_S", 0.01)
     with one_rank_group():
         board = ProgressBoard(dist.group.WORLD)
         board.record("bucket {}", 0)

@@ -21,7 +21,7 @@ from torch import nn
 
 import lightning_ddpx
 from lightning_ddpx._compat.torch import inputs_to_device
-from lightning_ddpx.engine.placement import resolve_placement
+from lightning_ddpx.engine.module.placement import resolve_placement
 from tests.dist_utils import one_rank_group, run_distributed
 from tests.oracle import assert_same_tensors, rank_batch, train_side_by_side
 from tests.test_engine_oracle import conv_bn, conv_loss, mlp, mlp_loss
@@ -100,7 +100,7 @@ def test_find_unused_with_a_static_graph_warns_as_torch_warns() -> None:
 
 
 def test_find_unused_with_nothing_unused_warns_once_as_torch_does(monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning_ddpx.engine.graph as graph
+    import lightning_ddpx.engine.reducer.reachability as graph
 
     monkeypatch.setattr(graph, "_warned_nothing_unused", False)
     with one_rank_group():
@@ -499,7 +499,10 @@ def copies_train_like_torchs(rank: int, world_size: int, how: str) -> dict[str, 
 @pytest.mark.parametrize("how", ["deepcopy", "torch_save_load"])
 def test_copies_train_like_torchs_copies(how: str) -> None:
     for refusals in run_distributed(copies_train_like_torchs, 2, how):
-        ours, theirs = refusals["lightning_ddpx.engine.module"], refusals["torch.nn.parallel.distributed"]
+        ours, theirs = (
+            refusals["lightning_ddpx.engine.module.data_parallel"],
+            refusals["torch.nn.parallel.distributed"],
+        )
         assert ours.startswith("RuntimeError|") and theirs.startswith("RuntimeError|")
         assert torch_sentence(theirs.split("|", 1)[1]) in ours
 
@@ -679,7 +682,7 @@ def test_every_torch_argument_is_accepted_at_its_default_and_refused_by_name_oth
     """A drop-in takes torch's whole signature: code passing torch's arguments explicitly at their defaults
     runs unchanged; the ones for features not implemented here raise by name for any other value."""
 
-    from lightning_ddpx.engine.unsupported_options import UNSUPPORTED_TORCH_ARGUMENTS
+    from lightning_ddpx.engine.module.unsupported_options import UNSUPPORTED_TORCH_ARGUMENTS
 
     theirs = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
     ours = inspect.signature(lightning_ddpx.DistributedDataParallel.__init__).parameters

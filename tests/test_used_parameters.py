@@ -1,12 +1,12 @@
-"""torch's used maps (lightning_ddpx.engine.used_parameters), without a process group."""
+"""torch's used maps (lightning_ddpx.engine.reducer.used_parameters), without a process group."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from lightning_ddpx.engine.static_graph import StaticGraph
-from lightning_ddpx.engine.used_parameters import UsedParameters
+from lightning_ddpx.engine.reducer.static_graph import StaticGraph
+from lightning_ddpx.engine.reducer.used_parameters import UsedParameters
 
 
 def test_clear_keeps_the_map_that_hooks_hold() -> None:

@@ -8,6 +8,9 @@
 
 Each name carries why we need it and since which version it exists, so an upgrade that breaks one breaks it
 here, in one place, and tests/test_compat.py (which imports and exercises every name) says which. No other
-module of the package may name a private attribute of torch or Lightning: tests/test_compat.py scans for that.
+module of the package may import a private name of torch or Lightning (tests/test_compat.py scans for that)
+or touch a private attribute of their objects (``optimizer._optimizer_step_pre_hooks``,
+``precision._wrap_closure``: tests/test_architecture.py scans for that); a function here does it, and says
+which versions it was checked on.
 This package imports neither dependency itself.
 """

@@ -7,7 +7,8 @@ functions where an attribute chain or a lazy import (``torch._dynamo`` costs a s
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from collections import OrderedDict
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -29,17 +30,23 @@ __all__ = [
     "foreach_sub_",
     "global_optimizer_hooks_once",
     "group_timeout",
+    "has_step_hooks",
+    "in_backward_optimizers",
     "innermost_backend",
     "inputs_to_device",
     "is_fake",
     "lookup_backend",
+    "mark_stepped_for_lr_scheduler",
+    "params_and_buffers_to_ignore",
     "process_group_store",
     "profiler_enabled",
     "queue_backward_callback",
     "rank_not_in_group",
+    "set_params_and_buffers_to_ignore",
     "sparse_nnz_bytes",
     "tracing_context",
     "will_engine_execute_node",
+    "without_step_hooks",
 ]
 
 # ---------------------------------------------------------------------------------------------- futures
@@ -100,6 +107,53 @@ def global_optimizer_hooks_once(optimizer: Any) -> Iterator[None]:
         post.update(saved_post)
     for hook in list(post.values()):
         hook(optimizer, (), {})
+
+
+# ------------------------------------------------------------------------------------------- optimizers
+# Attributes torch's optimizers and LR schedulers keep on the objects themselves, with no public getter. The
+# optimizer overlap steps an optimizer bucket by bucket, so it must see and mimic what a step() would touch.
+def has_step_hooks(optimizer: Any) -> bool:
+    """Whether ``optimizer.register_step_pre_hook`` / ``register_step_post_hook`` gave ``optimizer`` hooks of
+    its own (``_optimizer_step_pre_hooks`` / ``_post_hooks``). torch >= 2.0; checked on torch 2.13.0."""
+    return bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks)
+
+
+def without_step_hooks(optimizer: Any) -> None:
+    """Give ``optimizer`` (a view sharing another optimizer's ``__dict__``) empty step-hook registries of its
+    own, so its ``step()`` runs none of the original's hooks. Checked on torch 2.13.0."""
+    optimizer._optimizer_step_pre_hooks = OrderedDict()
+    optimizer._optimizer_step_post_hooks = OrderedDict()
+
+
+def mark_stepped_for_lr_scheduler(optimizer: Any) -> None:
+    """Record that ``optimizer`` stepped, as the wrapper an LR scheduler puts on ``optimizer.step`` does
+    (``_wrapped_by_lr_sched`` marks the wrapper, ``_opt_called`` the step): a step that bypassed the wrapper
+    would otherwise make the scheduler warn that ``lr_scheduler.step()`` ran before ``optimizer.step()``.
+    Checked on torch 2.13.0."""
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        optimizer._opt_called = True
+
+
+def in_backward_optimizers(param: torch.Tensor) -> list[Any]:
+    """The optimizers ``torch.distributed.optim._apply_optimizer_in_backward`` gave ``param`` (it appends them
+    to ``param._in_backward_optimizers``); empty if none. torch >= 2.0; checked on torch 2.13.0."""
+    return getattr(param, "_in_backward_optimizers", None) or []
+
+
+# ------------------------------------------------------------------------------------------ DDP's module
+# torch's DDP reads its ignore list from an attribute of the wrapped module, set by
+# ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``; ours honours the same attribute, so
+# a module prepared for torch's DDP works with ours and the other way round.
+def params_and_buffers_to_ignore(module: Any) -> set[str]:
+    """The fully qualified names torch's DDP would neither check, broadcast nor reduce for ``module``
+    (``module._ddp_params_and_buffers_to_ignore``; empty if unset). torch >= 1.8; checked on 2.13.0."""
+    return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+
+
+def set_params_and_buffers_to_ignore(module: Any, names: Iterable[str]) -> None:
+    """Set the list :func:`params_and_buffers_to_ignore` reads, where torch's DDP reads it. Checked on torch
+    2.13.0."""
+    module._ddp_params_and_buffers_to_ignore = names
 
 
 # ------------------------------------------------------------------------------------------------- c10d

@@ -51,7 +51,8 @@ class Contender:
         if self.hook is None:
             return "DDPXStrategy()"
         if self.rank is not None:
-            return f'DDPXStrategy(comm_hook="{self.hook}", powersgd={{"matrix_approximation_rank": {self.rank}}})'
+            options = f'{_options_argument(self.hook)}={{"matrix_approximation_rank": {self.rank}}}'
+            return f'DDPXStrategy(comm_hook="{self.hook}", {options})'
         return f'DDPXStrategy(comm_hook="{self.hook}")'
 
 
@@ -111,14 +112,26 @@ def wrap(contender: Contender, module: nn.Module, bucket_cap_mb: float | None) -
     ddp = DistributedDataParallel(module, **buckets)
     if contender.hook is None:
         return ddp, None
-    state, hook = build_comm_hook(contender.hook, powersgd=_powersgd_options(contender))
+    options = {}
+    if contender.rank is not None:
+        options[_options_argument(contender.hook)] = _powersgd_options(contender)
+    state, hook = build_comm_hook(contender.hook, **options)
     ddp.register_comm_hook(state, hook)
     return ddp, state
 
 
-def _powersgd_options(contender: Contender) -> dict[str, int] | None:
-    if contender.rank is None:
-        return None
+def _options_argument(hook: str) -> str:
+    """The argument that carries ``hook``'s options, as the hook registry declares it (``powersgd`` for both
+    PowerSGD names): ``rank`` is an option of a PowerSGD contender."""
+    from lightning_ddpx.hooks.registry import hook_entry
+
+    entry = hook_entry(hook)
+    if entry is None or entry.options_type is None:
+        raise ValueError(f"contender hook {hook!r} takes no options, so it cannot take a rank")
+    return entry.keyword
+
+
+def _powersgd_options(contender: Contender) -> dict[str, int]:
     return {"matrix_approximation_rank": contender.rank, "start_powerSGD_iter": START_POWERSGD_ITER}
 
 

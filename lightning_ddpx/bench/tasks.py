@@ -90,9 +90,13 @@ class DigitsCNN(_Classifier):
         super().__init__()
         self.save_hyperparameters()
         self.features = nn.Sequential(
-            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.Flatten(),
-        )  # fmt: skip
+            nn.Conv2d(1, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.ReLU(),
+            nn.Flatten(),
+        )
         self.head = nn.Sequential(nn.Linear(64 * 8 * 8, hidden), nn.ReLU(), nn.Linear(hidden, 10))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
 from lightning_ddpx._compat import torch as torch_compat
-from lightning_ddpx.engine.module import DistributedDataParallel
+from lightning_ddpx.engine.module.data_parallel import DistributedDataParallel
 
 __all__ = ["GraphSplit", "PlanAwareCompiled", "compile_model", "compiled_graphs"]
 
@@ -68,6 +68,13 @@ def compile_model(
 
     The wrapper's own bookkeeping always runs eagerly. Until the bucket layout is final the module runs
     eagerly (see the module docstring); :func:`compiled_graphs` tells what was compiled.
+
+    Example::
+
+        >>> import lightning_ddpx
+        >>> model = lightning_ddpx.DistributedDataParallel(net)  # doctest: +SKIP
+        >>> model = lightning_ddpx.compile_model(model, backend="inductor")  # doctest: +SKIP
+        >>> loss_fn(model(x), y).backward()  # doctest: +SKIP
     """
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(

@@ -3,8 +3,8 @@
 Why: a daemon thread still inside a C++ call -- waiting on a collective's future, or writing to the
 TCPStore, the GIL released -- when the interpreter finalises is killed as it re-takes the GIL, and the C++
 runtime aborts the process ("terminate called without an active exception", exit code -6) instead of
-letting it exit with its status. The communication thread (:mod:`~lightning_ddpx.engine.launcher`) and the
-progress writer (:mod:`~lightning_ddpx.engine.diagnosis`) register here when their thread starts; one
+letting it exit with its status. The communication thread (:mod:`~lightning_ddpx.engine.transport.launcher`) and the
+progress writer (:mod:`~lightning_ddpx.engine.agreement.progress_board`) register here when their thread starts; one
 ``atexit`` handler stops them all, each waited for at most its own bound. The strategies' exit handler
 (:mod:`lightning_ddpx.lightning.process_exit`) calls :func:`stop_all` first, before destroying the group.
 

@@ -2,7 +2,7 @@
 
 Their state is a process group or ``None`` (the default group), as with torch's hooks. Each issues its
 single collective before returning and only casts or copies in callbacks, so each is marked
-:func:`~lightning_ddpx.engine.grad_bucket.collectives_issued_on_call` and runs inline with several buckets in
+:func:`~lightning_ddpx.engine.buckets.grad_bucket.collectives_issued_on_call` and runs inline with several buckets in
 flight. A wrapper carries the mark of the hook it wraps.
 
 Annotations are real objects here (no ``from __future__ import annotations``) and the bucket is typed
@@ -10,12 +10,13 @@ Annotations are real objects here (no ``from __future__ import annotations``) an
 those, and our :class:`~lightning_ddpx.GradBucket` offers the same methods.
 """
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lightning_ddpx.engine.grad_bucket import (
+from lightning_ddpx.engine.buckets.grad_bucket import (
+    CommHook,
     GradBucket,
     collectives_issued_on_call,
     issues_collectives_on_call,
@@ -23,11 +24,10 @@ from lightning_ddpx.engine.grad_bucket import (
     record_bytes_sent,
     sent_log_of,
 )
-from lightning_ddpx.engine.sparse import dense_buckets_only
+from lightning_ddpx.engine.buckets.sparse import dense_buckets_only
 from lightning_ddpx.hooks.layout import TensorSlot, bucket_key, bucket_layout, segment_sizes
 
 __all__ = [
-    "CommHook",
     "allreduce_hook",
     "first_value",
     "bf16_compress_hook",
@@ -36,8 +36,6 @@ __all__ = [
     "fp16_compress_wrapper",
     "noop_hook",
 ]
-
-CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
 
 @collectives_issued_on_call
@@ -155,9 +153,14 @@ def _recast_bucket(bucket: Any, buffer: torch.Tensor, layouts: dict) -> GradBuck
     views = [segments[w].view(slot.shape) for w, slot in zip(where, slots)]
     names = bucket.parameter_names() if hasattr(bucket, "parameter_names") else None
     return GradBucket(
-        bucket.index(), buffer, views, bucket.parameters(), bucket.is_last(), sent_log=sent_log_of(bucket),
+        bucket.index(),
+        buffer,
+        views,
+        bucket.parameters(),
+        bucket.is_last(),
+        sent_log=sent_log_of(bucket),
         names=names,
-    )  # fmt: skip
+    )
 
 
 @collectives_issued_on_call

@@ -18,8 +18,10 @@ may be sent in bf16 or fp16, or quantized to 8 or 4 bits (``precision``;
 
 During inner steps the module's gradients must not be all-reduced: the registered hook
 (:func:`diloco_local_gradients_hook`) hands each bucket back untouched. The outer step runs after every
-inner optimizer step through :class:`OuterStep` (a :class:`~lightning_ddpx.hooks.model_averaging.ModelAverager`,
-so the strategies drive it like post-local SGD's averager). Everything the schedule needs -- the step
+inner optimizer step through :class:`OuterStep`, the state's
+:class:`~lightning_ddpx.engine.optim.parameter_averaging.ParameterAveraging`: registering the hook binds it
+to the module's parameters, and ``model.average_parameters_after_step()`` (which the strategies call) runs
+it, as it runs post-local SGD's averager. Everything the schedule needs -- the step
 counter, the anchors, the outer momentum, any exchange still in flight (waited for, its result kept) --
 is in :meth:`DiLoCoState.state_dict`, tensors and plain values only, so a resumed run continues bit for
 bit.
@@ -29,18 +31,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import numbers
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Mapping, Optional
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from lightning_ddpx.engine.backend_support import bf16_reduction_problem
-from lightning_ddpx.engine.grad_bucket import collectives_issued_on_call
-from lightning_ddpx.engine.option_values import is_finite_number
+from lightning_ddpx.engine.buckets.grad_bucket import collectives_issued_on_call
+from lightning_ddpx.engine.option_values import check_int, is_finite_number
+from lightning_ddpx.engine.transport.backend_support import bf16_reduction_problem
 from lightning_ddpx.hooks.default import noop_hook
-from lightning_ddpx.hooks.model_averaging import ModelAverager, ParamsOrGroups
+from lightning_ddpx.hooks.model_averaging import ParamsOrGroups
 from lightning_ddpx.hooks.outer_exchange import PRECISIONS, CompletedMean, OuterExchange, start_exchange
 
 __all__ = [
@@ -54,12 +55,6 @@ __all__ = [
 
 STATE_FORMAT = 1
 _KEPT_SYNCS = 1024  # untaken exchange records kept (bytes_sent keeps the total regardless)
-
-
-def _integer(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"diloco option {name} must be an integer >= {minimum}, got {value!r}.")
-    return int(value)
 
 
 def _number(name: str, value: Any, low: float, high: Optional[float] = None) -> float:
@@ -86,7 +81,8 @@ class DiLoCoOptions:
     precision: str = "fp32"
 
     def __post_init__(self) -> None:
-        period = _integer("period", self.period, 1)
+        check_int("DiLoCoOptions", "period", self.period, 1)
+        period = int(self.period)
         object.__setattr__(self, "period", period)
         object.__setattr__(self, "outer_lr", _number("outer_lr", self.outer_lr, 0.0))
         object.__setattr__(self, "outer_momentum", _number("outer_momentum", self.outer_momentum, 0.0, 1.0))
@@ -97,14 +93,16 @@ class DiLoCoOptions:
                 "diloco option nesterov=True needs outer_momentum > 0 (Nesterov momentum without momentum is "
                 "plain SGD); set outer_momentum (the papers use 0.9) or nesterov=False."
             )
-        fragments = _integer("fragments", self.fragments, 1)
+        check_int("DiLoCoOptions", "fragments", self.fragments, 1)
+        fragments = int(self.fragments)
         if fragments > period:
             raise ValueError(
                 f"diloco option fragments={fragments} exceeds period={period}: each fragment syncs once per "
                 "period, at a step of its own. Use at most `period` fragments."
             )
         object.__setattr__(self, "fragments", fragments)
-        overlap = _integer("overlap_steps", self.overlap_steps, 0)
+        check_int("DiLoCoOptions", "overlap_steps", self.overlap_steps, 0)
+        overlap = int(self.overlap_steps)
         if overlap >= period:
             raise ValueError(
                 f"diloco option overlap_steps={overlap} must be less than period={period}: a fragment's exchange "
@@ -175,7 +173,8 @@ class DiLoCoState:
     """The hook state of ``comm_hook="diloco"``: options, anchors, outer optimizer, exchanges in flight.
 
     :meth:`attach` binds it to the module's parameters (every rank must hold the same values then, as after
-    the module's initial broadcast); :attr:`averager` runs the schedule after each inner optimizer step.
+    the module's initial broadcast; ``model.register_comm_hook`` does it); :attr:`averager`, the
+    :meth:`parameter_averaging` it brings, runs the schedule after each inner optimizer step.
     """
 
     def __init__(
@@ -204,6 +203,15 @@ class DiLoCoState:
     def replicas_differ(self) -> bool:
         """Whether ranks may hold different weights or inner optimizer state (after the first inner step)."""
         return self.step > 0
+
+    def parameter_averaging(self) -> OuterStep:
+        """The outer step, which the module runs at ``model.average_parameters_after_step()``."""
+        return self.averager
+
+    def attached_to(self, params: Sequence[torch.Tensor]) -> bool:
+        """Whether :meth:`attach` took exactly ``params`` (the same tensors, in the same order)."""
+        watched = [p for _, p, _ in self._watched]
+        return len(watched) == len(params) and all(a is b for a, b in zip(watched, params))
 
     def attach(self, params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Take ``params`` (the module's parameters, or ``named_parameters()``, in order) as the replica's:
@@ -240,8 +248,9 @@ class DiLoCoState:
         those whose ``overlap_steps`` have passed. Returns whether any fragment was applied."""
         if self.outer_optimizer is None:
             raise RuntimeError(
-                "comm_hook='diloco': the state is not attached to a model; the strategy does this when it "
-                "wraps the module (DiLoCoState.attach(module.parameters()) when used by hand)."
+                "comm_hook='diloco': the state is not attached to a model; model.register_comm_hook(state, "
+                "hook) does this (and the strategies, which call it), DiLoCoState.attach(module.parameters()) "
+                "for a model used without DistributedDataParallel."
             )
         self._refuse_changed_trainable_set()
         o = self.options
@@ -279,9 +288,12 @@ class DiLoCoState:
         with torch.no_grad():
             delta = torch.cat([(self.anchors[i] - self.params[i].detach()).reshape(-1) for i in indices])
             exchange = start_exchange(
-                delta, self.options.precision, self.process_group, async_op=overlap > 0,
+                delta,
+                self.options.precision,
+                self.process_group,
+                async_op=overlap > 0,
                 what=f"DiLoCo outer delta (fragment {fragment})",
-            )  # fmt: skip
+            )
         self.bytes_sent += exchange.bytes_sent
         self._new_syncs.append(OuterSync(step, fragment, exchange.bytes_sent))
         del self._new_syncs[:-_KEPT_SYNCS]  # nobody taking them (statistics off): keep the latest only
@@ -397,21 +409,46 @@ class DiLoCoState:
         return f"DiLoCoState({self.options}, step={self.step}, syncs={self.syncs})"
 
 
-class OuterStep(ModelAverager):
-    """Counts inner optimizer steps and runs the outer schedule after each (the strategies call
-    :meth:`average_parameters` after every ``optimizer.step()``, as they do for post-local SGD)."""
+class OuterStep:
+    """DiLoCo's outer schedule as a :class:`~lightning_ddpx.engine.optim.parameter_averaging.ParameterAveraging`:
+    counts inner optimizer steps and runs what is due after each (``model.average_parameters_after_step()``
+    calls :meth:`after_optimizer_step`). Its state is the :class:`DiLoCoState`'s."""
+
+    name = "DiLoCo's outer step"
+    docs = "docs/diloco.md (On the bare module)"
 
     def __init__(self, state: DiLoCoState) -> None:
-        super().__init__(0, state.process_group)
         self.state = state
+        self.step = 0  # inner optimizer steps taken
 
-    def group_due(self) -> dist.ProcessGroup | None | bool:
-        return False  # the schedule is the state's, per fragment
+    def bind(self, named_parameters: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Attach the state to the module's parameters, unless it holds exactly these already (attached by
+        hand, perhaps with a checkpoint loaded since)."""
+        if not self.state.attached_to([p for _, p in named_parameters]):
+            self.state.attach(named_parameters)
 
-    def average_parameters(self, params: ParamsOrGroups, *, only_with_grad: bool = True) -> bool:
-        """``params`` is ignored: the outer step covers every trainable parameter given to ``attach``."""
+    def after_optimizer_step(self, updated: Optional[Callable[[], Sequence[torch.Tensor]]] = None) -> bool:
+        """Count one inner step and run the schedule; returns whether a fragment was applied. ``updated``
+        is not asked for: the outer step covers the trainable parameters the state was attached to."""
         self.step += 1
         return self.state.after_inner_step(self.step)
+
+    def average_parameters(self, params: ParamsOrGroups = (), *, only_with_grad: bool = True) -> bool:
+        """The model averagers' spelling of :meth:`after_optimizer_step`, for loops written for them; the
+        outer step's parameters are the attached ones, so ``params`` is not read."""
+        return self.after_optimizer_step()
+
+    def global_parameters(self) -> ContextManager[None]:
+        return self.state.global_parameters()
+
+    def finish(self) -> None:
+        self.state.finish()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self.state.load_state_dict(state_dict)
 
     def __repr__(self) -> str:
         return f"OuterStep({self.state!r})"

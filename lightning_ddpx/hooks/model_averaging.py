@@ -10,25 +10,33 @@ torch's (``torch.distributed.algorithms.model_averaging``):
 - :class:`HierarchicalModelAverager`: ``{period: group_size}``; at step ``s >= warmup_steps`` average in
   groups of the size belonging to the largest period dividing ``s`` (note: ``s``, not ``s - warmup``).
 
-Only parameters with a gradient are averaged (as torch does: a frozen or unused parameter stays local).
-Unlike torch, parameters are updated in place (``copy_``), so optimizer state, gradient bucket views and
-anything else holding the parameter's storage keep seeing it. The step counter is the averager's only state:
+Torch's call, ``average_parameters(params)``, averages the given parameters that have a gradient (a frozen
+or unused parameter stays local). Each averager is also a
+:class:`~lightning_ddpx.engine.optim.parameter_averaging.ParameterAveraging`: registered with the module
+(``PostLocalSGDState`` brings its averager), it runs at ``model.average_parameters_after_step()``, which
+the strategies call after every optimizer step, over every parameter the optimizers update. Unlike torch,
+parameters are updated in place (``copy_``), so optimizer state, gradient bucket views and anything else
+holding the parameter's storage keep seeing it. The step counter is the averager's only state:
 ``state_dict() == {"step": n}``, plain values for ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import warnings
-from typing import Any, Iterable, Mapping, Union
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from lightning_ddpx._compat.torch import rank_not_in_group
-from lightning_ddpx.engine.errors import waiting_for
+from lightning_ddpx.engine.agreement.errors import waiting_for
+from lightning_ddpx.engine.option_values import check_int
 
 __all__ = [
+    "AverageOver",
     "HierarchicalModelAverager",
     "ModelAverager",
     "PeriodicModelAverager",
@@ -81,13 +89,6 @@ def average_parameters(params: Iterable[torch.Tensor], group: dist.ProcessGroup 
                 offset += p.numel()
 
 
-def _check_count(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"model averaging: {name} must be an integer, got {value!r}.")
-    if value < minimum:
-        raise ValueError(f"model averaging: {name} must be >= {minimum}, got {value}.")
-
-
 def _warn_period_one() -> None:
     warnings.warn(
         "model averaging with period 1 averages parameters after every step, which costs at least as much "
@@ -97,29 +98,56 @@ def _warn_period_one() -> None:
     )
 
 
+@dataclass(frozen=True)
+class AverageOver:
+    """An average due at the current step, over ``group`` (``None``: the default group)."""
+
+    group: dist.ProcessGroup | None
+
+
 class ModelAverager:
     """Counts optimizer steps and averages parameters when due; subclasses say when and over which group."""
 
+    name = "post-local SGD's model averaging"  # ParameterAveraging: for messages
+    docs = "docs/hooks.md (post_local_sgd: on the bare module)"
+
     def __init__(self, warmup_steps: int = 0, process_group: dist.ProcessGroup | None = None) -> None:
-        _check_count("warmup_steps", warmup_steps, 0)
+        check_int("model averaging", "warmup_steps", warmup_steps, 0)
         self.warmup_steps = int(warmup_steps)
         self.process_group = process_group
         self.step = 0
 
-    def group_due(self) -> dist.ProcessGroup | None | bool:
-        """The group to average over at the current step, or ``False`` if none is due."""
+    def due(self) -> Optional[AverageOver]:
+        """The average due at the current step, or ``None``."""
         raise NotImplementedError
 
     def average_parameters(self, params: ParamsOrGroups, *, only_with_grad: bool = True) -> bool:
-        """Call once after every ``optimizer.step()``; averages ``params`` when due: those with a gradient, as
-        torch's averagers do, or all of them (``only_with_grad=False``; ``params`` are then tensors). Returns
-        whether it did."""
-        group = self.group_due()
-        if group is not False:
-            chosen = params_to_average(params) if only_with_grad else list(params)
-            average_parameters(chosen, group)  # type: ignore[arg-type]
+        """torch's call, once after every ``optimizer.step()``; averages ``params`` when due: those with a
+        gradient, as torch's averagers do, or all of them (``only_with_grad=False``; ``params`` are then
+        tensors). Returns whether it did."""
+        return self.after_optimizer_step(
+            lambda: params_to_average(params) if only_with_grad else list(params)  # type: ignore[arg-type]
+        )
+
+    # ---------------------------------------------------------------------- ParameterAveraging
+    def bind(self, named_parameters: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Nothing to keep: each call names the parameters to average."""
+
+    def after_optimizer_step(self, updated: Callable[[], Sequence[torch.Tensor]]) -> bool:
+        """Count one optimizer step; when due, average every parameter ``updated()`` gives (asked only
+        then). Returns whether it averaged."""
+        due = self.due()
+        if due is not None:
+            average_parameters(updated(), due.group)
         self.step += 1
-        return group is not False
+        return due is not None
+
+    def global_parameters(self) -> ContextManager[None]:
+        """No global copy is kept (the replicas meet only at an average): the block changes nothing."""
+        return contextlib.nullcontext()
+
+    def finish(self) -> None:
+        """Nothing in flight: each average completes before it returns."""
 
     def state_dict(self) -> dict[str, int]:
         return {"step": self.step}
@@ -139,20 +167,33 @@ class PeriodicModelAverager(ModelAverager):
 
     ``warmup_steps`` should equal the hook's ``start_localSGD_iter``: before it gradients are averaged
     globally, so the replicas are identical and averaging them would only cost time.
+
+    Example::
+
+        >>> from lightning_ddpx.hooks import PostLocalSGDState, post_local_sgd_hook
+        >>> from lightning_ddpx.hooks.model_averaging import PeriodicModelAverager
+        >>> state = PostLocalSGDState(process_group=None, subgroup=1, start_localSGD_iter=100)
+        >>> model.register_comm_hook(state, post_local_sgd_hook)  # doctest: +SKIP
+        >>> averager = PeriodicModelAverager(period=4, warmup_steps=100)
+        >>> for x, y in batches:  # doctest: +SKIP
+        ...     loss_fn(model(x), y).backward()
+        ...     optimizer.step()
+        ...     averager.average_parameters(model.parameters())  # every 4 steps from step 100
+        ...     optimizer.zero_grad()
     """
 
     def __init__(
         self, period: int, warmup_steps: int = 0, process_group: dist.ProcessGroup | None = None
     ) -> None:
-        _check_count("period", period, 1)
+        check_int("model averaging", "period", period, 1)
         super().__init__(warmup_steps, process_group)
         if period == 1:
             _warn_period_one()
         self.period = int(period)
 
-    def group_due(self) -> dist.ProcessGroup | None | bool:
+    def due(self) -> Optional[AverageOver]:
         due = self.step >= self.warmup_steps and (self.step - self.warmup_steps) % self.period == 0
-        return self.process_group if due else False
+        return AverageOver(self.process_group) if due else None
 
     def __repr__(self) -> str:
         return (
@@ -180,19 +221,19 @@ class HierarchicalModelAverager(ModelAverager):
             )
         super().__init__(warmup_steps, process_group)
         for period in groups:
-            _check_count("a hierarchy period", period, 1)
+            check_int("model averaging", "a hierarchy period", period, 1)
         self.periods = list(groups)
         self.groups = dict(groups)
         if max(self.periods) == 1:
             _warn_period_one()
 
-    def group_due(self) -> dist.ProcessGroup | None | bool:
+    def due(self) -> Optional[AverageOver]:
         if self.step < self.warmup_steps:
-            return False
+            return None
         for period in reversed(self.periods):
             if self.step % period == 0:
-                return self.groups[period]
-        return False
+                return AverageOver(self.groups[period])
+        return None
 
     def __repr__(self) -> str:
         return f"HierarchicalModelAverager(periods={self.periods}, warmup_steps={self.warmup_steps}, step={self.step})"
@@ -206,8 +247,8 @@ def check_hierarchy(hierarchy: Mapping[int, int], world_size: int | None = None)
         )
     periods, sizes = list(hierarchy), list(hierarchy.values())
     for period, size in hierarchy.items():
-        _check_count("a hierarchy period", period, 1)
-        _check_count("a hierarchy group size", size, 1)
+        check_int("model averaging", "a hierarchy period", period, 1)
+        check_int("model averaging", "a hierarchy group size", size, 1)
     if periods != sorted(set(periods)) or sizes != sorted(sizes):
         raise ValueError(
             f"post_local_sgd option hierarchy={dict(hierarchy)!r}: periods must increase, and group sizes must not "

@@ -15,7 +15,10 @@
   and an all-gather hands every chunk to every rank, which decodes them all. Each rank sends its payload's
   ``(W - 1) / W`` in each phase, as a ring all-reduce of that payload does, so the bytes recorded are the
   payload's, comparable to the other hooks' all-reduce payloads at any world size. Every rank decodes the
-  same gathered bytes with the same operations: the mean is the same, bit for bit, on every rank.
+  same gathered bytes with the same operations: the mean is the same, bit for bit, on every rank. It is
+  also the same whichever device each rank computes on: every step of the codec and of the mean is exact
+  or correctly rounded on the CPU and on CUDA alike (the scales ``amax / qmax`` and the mean ``sum / W``
+  divide by tensors, :func:`divide`; decoding multiplies), so a CUDA run gives a CPU run's bits.
 
 Rounding is to nearest (ties to even), with no randomness, so a resumed run repeats the same exchanges.
 The functions :func:`quantize` and :func:`dequantize` are pure tensor code, tested in one process.
@@ -28,7 +31,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lightning_ddpx.engine.errors import waiting_for
+from lightning_ddpx.engine.agreement.errors import waiting_for
 
 __all__ = [
     "BLOCK",
@@ -40,6 +43,7 @@ __all__ = [
     "OuterExchange",
     "QuantizedMean",
     "dequantize",
+    "divide",
     "quantize",
     "start_exchange",
 ]
@@ -55,15 +59,27 @@ BLOCK = 128  # elements per scale: 4 bytes of scale per 128 codes (3 % of an int
 
 
 # ------------------------------------------------------------------------------------------- codec
+def divide(values: torch.Tensor, count: int) -> torch.Tensor:
+    """``values / count``, correctly rounded on every device: the same bits on the CPU and on CUDA.
+
+    The divisor is a 0-dim tensor of ``values``' dtype on their device (``count`` is a small integer, exact in
+    that dtype). A division by a Python number -- or by a CPU tensor of one element -- is computed by CUDA
+    as a multiplication by the divisor's rounded reciprocal, which misses the correctly rounded quotient in
+    the last bit for many values (``x / 7``: about half of them); the CPU divides, and so does CUDA when the
+    divisor is a tensor on the GPU. Both follow IEEE division, so the two agree bit for bit."""
+    return values / torch.full((), count, dtype=values.dtype, device=values.device)
+
+
 def quantize(blocks: torch.Tensor, bits: int) -> torch.Tensor:
     """``blocks``: float32 of shape ``(rows, k * BLOCK)``. Returns uint8 of shape ``(rows, row_bytes)``: each
     row's codes (``bits`` per element, two int4 codes per byte, low nibble first) then its blocks' fp32
     scales. A block's scale is its largest magnitude over ``qmax = 2 ** (bits - 1) - 1``; an element's
-    code is ``round(x / scale)`` (an all-zero block: scale 0, codes 0)."""
+    code is ``round(x / scale)`` (an all-zero block: scale 0, codes 0). Every step is exact or correctly
+    rounded (both divisions are by tensors: :func:`divide`), so the CPU and CUDA give the same bytes."""
     rows = blocks.shape[0]
     qmax = 2 ** (bits - 1) - 1
     grouped = blocks.reshape(rows, -1, BLOCK)
-    scales = grouped.abs().amax(dim=2, keepdim=True) / qmax
+    scales = divide(grouped.abs().amax(dim=2, keepdim=True), qmax)
     divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
     codes = torch.round(grouped / divisor).clamp_(-qmax, qmax).reshape(rows, -1)
     if bits == 8:
@@ -116,9 +132,13 @@ class AllReducedMean(OuterExchange):
     """fp32 / bf16 / fp16: the change cast, divided by the world size and summed by one all-reduce."""
 
     def __init__(
-        self, delta: torch.Tensor, dtype: Optional[torch.dtype], group: Optional[dist.ProcessGroup],
-        async_op: bool, what: str,
-    ) -> None:  # fmt: skip
+        self,
+        delta: torch.Tensor,
+        dtype: Optional[torch.dtype],
+        group: Optional[dist.ProcessGroup],
+        async_op: bool,
+        what: str,
+    ) -> None:
         self.payload = delta.to(dtype) if dtype is not None else delta
         self.payload.div_(dist.get_world_size(group))
         self.bytes_sent = self.payload.numel() * self.payload.element_size()
@@ -163,7 +183,7 @@ class QuantizedMean(OuterExchange):
         total = values[0]
         for j in range(1, self.world_size):  # rank order: the same additions on every rank
             total = total + values[j]
-        mine = quantize((total / self.world_size).view(1, -1), self.bits)
+        mine = quantize(divide(total, self.world_size).view(1, -1), self.bits)
         self.gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
         with waiting_for(f"every rank's chunk of the mean {self.what} (quantized, all-gather)", self.group):
             self.work = dist.all_gather(self.gathered, mine, group=self.group, async_op=self.async_op)

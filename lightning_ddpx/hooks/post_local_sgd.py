@@ -25,8 +25,9 @@ from typing import Any, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
-from lightning_ddpx.engine.errors import waiting_for
-from lightning_ddpx.engine.grad_bucket import collectives_issued_on_call, record_bytes_sent
+from lightning_ddpx.engine.agreement.errors import waiting_for
+from lightning_ddpx.engine.buckets.grad_bucket import collectives_issued_on_call, record_bytes_sent
+from lightning_ddpx.engine.option_values import check_int
 from lightning_ddpx.hooks.default import allreduce_hook
 from lightning_ddpx.hooks.model_averaging import (
     HierarchicalModelAverager,
@@ -39,15 +40,6 @@ from lightning_ddpx.hooks.model_averaging import (
 __all__ = ["PostLocalSGDOptions", "PostLocalSGDState", "from_torch_state", "post_local_sgd_hook"]
 
 _STATE_DICT_VERSION = 1
-
-
-def _check_int(name: str, value: Any, minimum: int, *, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"post_local_sgd option {name} must be an integer, got {value!r}.")
-    if value < minimum:
-        raise ValueError(f"post_local_sgd option {name} must be >= {minimum}, got {value}.")
 
 
 @dataclass(frozen=True)
@@ -66,9 +58,9 @@ class PostLocalSGDOptions:
     post_local_gradient_allreduce: bool = True
 
     def __post_init__(self) -> None:
-        _check_int("start_localSGD_iter", self.start_localSGD_iter, 0)
-        _check_int("period", self.period, 1, optional=True)
-        _check_int("subgroup", self.subgroup, 1, optional=True)
+        check_int("PostLocalSGDOptions", "start_localSGD_iter", self.start_localSGD_iter, 0)
+        check_int("PostLocalSGDOptions", "period", self.period, 1, optional=True)
+        check_int("PostLocalSGDOptions", "subgroup", self.subgroup, 1, optional=True)
         if not isinstance(self.post_local_gradient_allreduce, bool):
             raise TypeError(
                 "post_local_sgd option post_local_gradient_allreduce must be True or False, got "
@@ -106,7 +98,7 @@ class PostLocalSGDOptions:
                 f"DDPXStrategy: model_averaging_period={period} conflicts with post_local_sgd {given}; "
                 "give the averaging period in one place."
             )
-        _check_int("model_averaging_period", period, 1)
+        check_int("DDPXStrategy", "model_averaging_period", period, 1)
         return PostLocalSGDOptions(**{**self.__dict__, "period": period})
 
 
@@ -232,7 +224,7 @@ class PostLocalSGDState:
                 f"post_local_sgd: model_averaging_period={period} conflicts with the state's own averaging "
                 f"(period={self.period}, hierarchy={self.hierarchy}); give the averaging period in one place."
             )
-        _check_int("period", period, 1)
+        check_int("PostLocalSGDState", "period", period, 1)
         self.period = int(period)
         if self._resolved and self.averager is None:
             self._build_averager()
@@ -246,6 +238,13 @@ class PostLocalSGDState:
         if self.averager is not None and self._pending_averager_step is not None:
             self.averager.step = self._pending_averager_step
             self._pending_averager_step = None
+
+    def parameter_averaging(self) -> Optional[ModelAverager]:
+        """The averager the module runs at ``model.average_parameters_after_step()`` (``None`` without a
+        ``period`` or ``hierarchy``: average by hand then, as with torch's state). Creates the groups first if
+        they are not made yet (a collective: every rank registers its hook)."""
+        self.resolve()
+        return self.averager
 
     @property
     def subgroup_process_group(self) -> Optional[dist.ProcessGroup]:
@@ -335,8 +334,9 @@ def post_local_sgd_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket over ``state.process_group`` before ``start_localSGD_iter``, then over the subgroup.
 
-    Pair it with ``state.averager.average_parameters(...)`` after every ``optimizer.step()`` (the strategies
-    do this for you). Each collective is issued before returning, so the hook runs inline.
+    Pair it with ``model.average_parameters_after_step()`` after every ``optimizer.step()`` (the strategies
+    do this for you; torch's ``state.averager.average_parameters(model.parameters())`` works too). Each
+    collective is issued before returning, so the hook runs inline.
     """
     state.resolve()
     if state.iter < state.start_localSGD_iter:

@@ -25,11 +25,14 @@ __all__ = [
     "StrategyRegistry",
     "WrappingCheckpointIO",
     "compiler_context",
+    "forward_module",
     "is_local_path",
     "layer_sync",
     "optimizers_to_device",
     "trainer_of",
+    "unwrapped_optimizer",
     "weights_only_argument",
+    "wrap_closure",
 ]
 
 # The registries' type, for registering our names with both the Trainer's and Fabric's registries. >= 2.0.
@@ -67,6 +70,26 @@ def trainer_of(module: Any) -> Optional[Any]:
 def layer_sync(strategy: Any) -> Any:
     """A strategy's layer-sync plugin (``Trainer(sync_batchnorm=True)`` sets it), applied at setup. >= 2.0."""
     return strategy._layer_sync
+
+
+def forward_module(model: Any) -> Any:
+    """The module a model returned by ``fabric.setup`` forwards to (``_FabricModule._forward_module``: the
+    strategy's wrapper, ours), or ``model`` itself if it is not Fabric's wrapper. The public ``.module`` is
+    the user's unwrapped module instead. >= 2.0; checked on 2.6.6."""
+    return getattr(model, "_forward_module", model)
+
+
+def unwrapped_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside Lightning's ``LightningOptimizer`` or Fabric's ``_FabricOptimizer`` (both
+    keep it in ``_optimizer``), or ``optimizer`` itself if it is neither. >= 2.0; checked on 2.6.6."""
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+def wrap_closure(precision: Any, model: Any, optimizer: Any, closure: Any) -> Any:
+    """``Precision._wrap_closure``: run ``closure`` (training step and backward), then the
+    ``on_before_optimizer_step`` hooks, as ``Precision.optimizer_step`` does inside ``optimizer.step``; for a
+    step that runs the closure without calling ``optimizer.step``. >= 2.0; checked on 2.6.6."""
+    return precision._wrap_closure(model, optimizer, closure)
 
 
 def compiler_context(module: Any) -> Any:

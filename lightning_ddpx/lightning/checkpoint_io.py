@@ -46,6 +46,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     Both ``DDPXStrategy`` classes (Trainer and Fabric) use it by default; with any other strategy pass
     ``Trainer(plugins=[AtomicCheckpointIO()])``. Loading and removing are Lightning's.
+
+    Example::
+
+        >>> import lightning as L
+        >>> from lightning_ddpx import AtomicCheckpointIO
+        >>> trainer = L.Trainer(strategy="ddp", plugins=[AtomicCheckpointIO()])  # doctest: +SKIP
     """
 
     @override

@@ -24,7 +24,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from lightning_ddpx.engine.errors import waiting_for
+from lightning_ddpx.engine.agreement.errors import waiting_for
 
 __all__ = [
     "CHECKPOINT_KEY",

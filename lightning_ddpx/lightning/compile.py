@@ -7,7 +7,7 @@ from typing import Any
 
 from lightning_ddpx._compat import torch as torch_compat
 from lightning_ddpx.engine.compile import PlanAwareCompiled
-from lightning_ddpx.engine.module import DistributedDataParallel
+from lightning_ddpx.engine.module.data_parallel import DistributedDataParallel
 from lightning_ddpx.lightning._compat import compiler_context
 
 __all__ = ["apply_lightning_compile"]

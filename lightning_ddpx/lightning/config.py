@@ -20,20 +20,21 @@ import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_ddpx.engine.bucketing import is_bucket_cap
-from lightning_ddpx.engine.module import DistributedDataParallel
-from lightning_ddpx.engine.option_values import check_flags
-from lightning_ddpx.engine.transport import hook_name
-from lightning_ddpx.hooks import (
-    DiLoCoOptions,
-    PostLocalSGDOptions,
-    PowerSGDOptions,
+from lightning_ddpx.engine.buckets.grad_bucket import CommHook
+from lightning_ddpx.engine.buckets.plan import is_bucket_cap
+from lightning_ddpx.engine.module.data_parallel import DistributedDataParallel
+from lightning_ddpx.engine.option_values import check_flags, check_int
+from lightning_ddpx.engine.transport.transports import hook_name
+from lightning_ddpx.hooks import DiLoCoOptions, PostLocalSGDOptions, PowerSGDOptions
+from lightning_ddpx.hooks.registry import (
     available_hooks,
-    bf16_compress_wrapper,
     build_comm_hook,
-    fp16_compress_wrapper,
+    builtin_hooks,
+    hook_entry,
+    hooks_taking,
+    wrap_hook,
+    wrapper_names,
 )
-from lightning_ddpx.hooks.registry import hook_entry, hooks_taking
 from lightning_ddpx.lightning import (
     checkpoint_state,
     diloco_setup,
@@ -46,18 +47,24 @@ from lightning_ddpx.lightning.uneven import LockstepLoader, StepQueue, UnevenInp
 __all__ = [
     "FABRIC_STRATEGY_NAMES",
     "TRAINER_STRATEGY_NAMES",
-    "CommHookFn",
     "DDPXConfig",
     "DDPXConfigAttributes",
     "register_strategy_names",
+    "resolve_comm_hook",
 ]
 
-CommHookFn = Callable[[Any, Any], Any]  # hook(state, bucket: GradBucket) -> torch.futures.Future[Tensor]
-
-_WRAPPERS: dict[str, Callable[[CommHookFn], CommHookFn]] = {
-    "fp16": fp16_compress_wrapper,
-    "bf16": bf16_compress_wrapper,
+# The arguments that carry a named hook's options -> build_comm_hook's keyword for them (the registry's
+# ``HookEntry.keyword``, which decides which hook takes which). The built-ins' are spelled alike; a hook
+# registered by the user (register_hook_name(..., options_type=...)) takes comm_hook_options.
+_OPTIONS_ARGUMENTS = {
+    "powersgd": "powersgd",
+    "post_local_sgd": "post_local_sgd",
+    "diloco": "diloco",
+    "comm_hook_options": "options",
 }
+
+# The wrapper names the registry declares, for LightningCLI's choices.
+_WrapperName = Literal[tuple(wrapper_names())]  # type: ignore[valid-type]
 
 
 def _option(
@@ -92,37 +99,37 @@ def _flag(name: str) -> Callable[[Any], None]:
     return check
 
 
-def _check_stats_interval(every_n_steps: Any) -> None:
-    if every_n_steps is None:
-        return
-    if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
-        raise ValueError(
-            f"DDPXStrategy: comm_stats_every_n_steps must be a positive number of steps or None (no logging), "
-            f"got {every_n_steps!r}."
+def _steps(name: str, counted: str, none_means: str) -> Callable[[Any], None]:
+    def check(value: Any) -> None:
+        check_int(
+            "DDPXStrategy", name, value, 1, optional=True, hint=f"It counts {counted}; None: {none_means}."
         )
+
+    return check
 
 
 @dataclass(frozen=True)
 class DDPXConfig:
     """Validated DDPX options. Building one raises on any bad option, naming it and the fix.
 
-    ``comm_hook`` given as an import path is imported, ``powersgd`` given as a dict becomes
-    :class:`~lightning_ddpx.hooks.PowerSGDOptions`, and the bucket caps become floats.
+    ``comm_hook`` given as an import path is imported, options given as a dict (``powersgd``,
+    ``post_local_sgd``, ``diloco``, ``comm_hook_options``) become the options type the hook registry declares
+    for the hook (:class:`~lightning_ddpx.hooks.PowerSGDOptions`, ...), and the bucket caps become floats.
     """
 
-    comm_hook: Optional[Union[str, CommHookFn]] = _option(
+    comm_hook: Optional[Union[str, CommHook]] = _option(
         None,
-        "a registered hook name (``allreduce``, ``fp16``, ``bf16``, ``powersgd``, ``batched_powersgd``, "
-        "``post_local_sgd``, ``diloco``, ``noop``, or one added with ``lightning_ddpx.hooks.register_hook_name``), a callable "
-        "``hook(state, bucket) -> Future[Tensor]`` such as torch's ``ddp_comm_hooks``, or its import path as a "
-        "string (how YAML names one). ``None``: plain mean allreduce, bit for bit torch's default.",
+        f"a registered hook name ({', '.join(f'``{name}``' for name in builtin_hooks())}, or one added with "
+        "``lightning_ddpx.hooks.register_hook_name``), a callable ``hook(state, bucket) -> Future[Tensor]`` such "
+        "as torch's ``ddp_comm_hooks``, or its import path as a string (how YAML names one). ``None``: plain mean "
+        "allreduce, bit for bit torch's default.",
     )
     comm_state: Optional[Any] = _option(
         None,
         "the state passed to a callable ``comm_hook`` (e.g. a process group, or an object with "
         "``state_dict()``/``load_state_dict()`` to be checkpointed). Named hooks build their own.",
     )
-    comm_wrapper: Optional[Literal["fp16", "bf16"]] = _option(
+    comm_wrapper: Optional[_WrapperName] = _option(
         None,
         '``"fp16"`` or ``"bf16"``: cast each bucket before the hook and its result back (e.g. '
         '``comm_hook="powersgd", comm_wrapper="fp16"``).',
@@ -142,6 +149,7 @@ class DDPXConfig:
         None,
         "Lightning's: with post-local SGD (the named hook, or torch's or our ``PostLocalSGDState`` as "
         "``comm_state``), average the parameters every N optimizer steps from ``start_localSGD_iter`` on.",
+        check=_steps("model_averaging_period", "optimizer steps", "the post-local SGD state's own period"),
         fabric_doc="as in the Trainer strategy: after each ``optimizer.step()`` of an optimizer that holds a "
         "post-local SGD model's parameters, those parameters are averaged when due; ``fabric.save``/"
         "``fabric.load`` keep the hook's iteration, the averager's step and every rank's own weights.",
@@ -152,6 +160,13 @@ class DDPXConfig:
         "``outer_momentum``, ``nesterov``, ``fragments`` and ``overlap_steps`` (streaming DiLoCo), ``mixing``, "
         '``precision`` of the outer exchange (``"fp32"``, ``"bf16"``, ``"fp16"``, or quantized ``"int8"``, '
         '``"int4"``), as a ``DiLoCoOptions`` or a dict. See docs/diloco.md.',
+    )
+    comm_hook_options: Optional[dict[str, Any]] = _option(
+        None,
+        "options of a hook you registered with ``lightning_ddpx.hooks.register_hook_name(name, factory, "
+        "options_type=...)``, named by ``comm_hook=name``: a dict of the options type's fields (or an instance "
+        "of it), parsed and type-checked when the strategy is built and passed to ``factory(process_group, "
+        "options)``; every rank must give the same. See docs/hooks.md (your own hook).",
     )
     bucket_cap_mb: Optional[float] = _option(
         None,
@@ -219,7 +234,7 @@ class DDPXConfig:
         "log communication statistics (bytes to the hook and sent, compression ratio, time in hooks, exposed "
         "communication; per-step means, rank 0's) to the Trainer's loggers under ``ddpx/`` every N "
         "synchronised steps. ``None``: nothing is logged.",
-        check=_check_stats_interval,
+        check=_steps("comm_stats_every_n_steps", "synchronised steps", "nothing is logged"),
         strategies=("Trainer",),  # Fabric has no step loop to log from: fabric.take_comm_stats(model) instead
     )
 
@@ -229,6 +244,7 @@ class DDPXConfig:
         "(a digest per parameter, one small ``all_gather``); a mismatch raises on every rank naming the first "
         "differing parameter, the ranks and the step. ``None``: never. See docs/engine.md (replica "
         "verification).",
+        check=_steps("verify_replicas_every_n_steps", "optimizer steps", "no verification"),
         fabric_doc="as in the Trainer strategy: every N ``optimizer.step()`` calls of optimizers set up by Fabric, "
         "and in ``fabric.save``, for every model set up by this strategy. See docs/engine.md (replica "
         "verification).",
@@ -239,11 +255,13 @@ class DDPXConfig:
             check = f.metadata.get("check")
             if check is not None:
                 check(getattr(self, f.name))
-        comm_hook = _resolve_comm_hook(self.comm_hook)
+        comm_hook = resolve_comm_hook(self.comm_hook)
         _check_hook_arguments(comm_hook, self.comm_state, self.comm_wrapper)
         # frozen: normalise through object.__setattr__, once, here
         object.__setattr__(self, "comm_hook", comm_hook)
-        object.__setattr__(self, "powersgd", _powersgd_options(comm_hook, self.powersgd))
+        given = {argument: getattr(self, argument) for argument in _OPTIONS_ARGUMENTS}
+        for argument, options in _parse_hook_options(comm_hook, given).items():
+            object.__setattr__(self, argument, options)
         object.__setattr__(
             self,
             "post_local_sgd",
@@ -305,9 +323,11 @@ class DDPXConfig:
             static_graph=self.static_graph,
             init_sync=self.init_sync,
         )
-        # options that add collectives outside the module: every rank must have them alike
+        # options that add collectives outside the module, and a user's hook options (the built-ins' are their
+        # state's): every rank must have them alike
         wrapped.driver_settings = {
-            name: repr(getattr(self, name)) for name in ("uneven_inputs", "verify_replicas_every_n_steps")
+            name: repr(getattr(self, name))
+            for name in ("uneven_inputs", "verify_replicas_every_n_steps", "comm_hook_options")
         }
         return wrapped
 
@@ -324,26 +344,24 @@ class DDPXConfig:
         """Build the hook (a new state per module for named hooks), register it; return its state.
 
         ``comm_hook=None`` registers nothing: the module's default is torch's mean allreduce, bit for bit.
+        A state that brings parameter averaging (post-local SGD, DiLoCo) is bound to the module by the
+        registration; the module runs it at ``average_parameters_after_step()``.
         """
         if self.comm_hook is None:
             return None
         if isinstance(self.comm_hook, str):
+            options = {keyword: getattr(self, argument) for argument, keyword in _OPTIONS_ARGUMENTS.items()}
             state, hook = build_comm_hook(
-                self.comm_hook,
-                process_group=module.process_group,
-                powersgd=self.powersgd,
-                wrapper=self.comm_wrapper,
-                post_local_sgd=self.post_local_sgd,
-                diloco=self.diloco,
+                self.comm_hook, process_group=module.process_group, wrapper=self.comm_wrapper, **options
             )
-            diloco_setup.attach(state, module)
         else:
             state, hook = post_local_sgd_setup.adopt_torch_state(
                 self.comm_state, self.comm_hook, self.model_averaging_period
             )
             if self.comm_wrapper is not None:
-                hook = _WRAPPERS[self.comm_wrapper](hook)
+                hook = wrap_hook(hook, self.comm_wrapper)
         module.register_comm_hook(state, hook)
+        post_local_sgd_setup.complete_averaging(module, state, self.model_averaging_period)
         return state
 
     # ------------------------------------------------------------------------------------ checkpoints
@@ -421,9 +439,9 @@ del _field, _attribute
 
 # ---------------------------------------------------------------------------------------- validation
 def _check_hook_arguments(comm_hook: Any, comm_state: Any, comm_wrapper: Any) -> None:
-    if comm_wrapper is not None and comm_wrapper not in _WRAPPERS:
+    if comm_wrapper is not None and comm_wrapper not in wrapper_names():
         raise ValueError(
-            f"DDPXStrategy: comm_wrapper must be one of {sorted(_WRAPPERS)} or None, got {comm_wrapper!r}."
+            f"DDPXStrategy: comm_wrapper must be one of {wrapper_names()} or None, got {comm_wrapper!r}."
         )
     if comm_hook is None:
         if comm_wrapper is not None:
@@ -437,11 +455,17 @@ def _check_hook_arguments(comm_hook: Any, comm_state: Any, comm_wrapper: Any) ->
                 "DDPXStrategy: comm_state is given but comm_hook is None; pass the hook it belongs to."
             )
         return
-    if isinstance(comm_hook, str):  # a registered name (_resolve_comm_hook imported anything else)
+    if isinstance(comm_hook, str):  # a registered name (resolve_comm_hook imported anything else)
         if comm_state is not None:
+            entry = hook_entry(comm_hook)
+            configure = (
+                f"configure it through {_argument_for(entry.keyword)}=..."
+                if entry is not None and entry.options_type is not None
+                else "it takes no options"
+            )
             raise ValueError(
                 f"DDPXStrategy: comm_state is for callable hooks; the named hook {comm_hook!r} builds its own state "
-                "(configure PowerSGD through powersgd=..., post-local SGD through post_local_sgd=...)."
+                f"({configure})."
             )
         return
     if not callable(comm_hook):
@@ -451,7 +475,7 @@ def _check_hook_arguments(comm_hook: Any, comm_state: Any, comm_wrapper: Any) ->
         )
 
 
-def _resolve_comm_hook(comm_hook: Any) -> Any:
+def resolve_comm_hook(comm_hook: Any) -> Any:
     """A registered name stays a name; any other string is imported as ``package.module.function``.
 
     Strings are how YAML and command lines name hooks: ``comm_hook: powersgd`` or
@@ -479,24 +503,51 @@ def _resolve_comm_hook(comm_hook: Any) -> Any:
     return hook
 
 
-def _powersgd_options(comm_hook: Any, powersgd: Any) -> Optional[PowerSGDOptions]:
-    """Validate ``powersgd`` now (a typo in an option name fails in the constructor) and return the dataclass.
-
-    Which hooks take these options, and how they are parsed, is the hook registry's (the entry's options
-    type); this only says it in the strategies' words.
-    """
-    if powersgd is None:
-        return None
+def _parse_hook_options(comm_hook: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    """``given`` (:data:`_OPTIONS_ARGUMENTS` -> value) with each value parsed into the options type of
+    ``comm_hook``'s registry entry, now (a typo fails in the constructor). Options the hook does not take are
+    refused, naming the hooks that take them: which hook takes which is the registry's (``HookEntry.takes``)."""
     entry = hook_entry(comm_hook)
-    if entry is None or entry.options_type is None or entry.keyword != "powersgd":
-        raise ValueError(
-            f"DDPXStrategy: powersgd options are given but comm_hook is {comm_hook!r}, which takes none. "
-            f"Set comm_hook to one of {hooks_taking('powersgd')} or drop powersgd=..."
+    parsed = dict(given)
+    for argument, options in given.items():
+        if options is None:
+            continue
+        if entry is None or not entry.takes(_OPTIONS_ARGUMENTS[argument]):
+            raise ValueError(_options_not_taken(comm_hook, entry, argument))
+        try:
+            parsed[argument] = entry.parse(comm_hook, options)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"DDPXStrategy: {argument}={options!r}: {error}") from None
+    return parsed
+
+
+def _options_not_taken(comm_hook: Any, entry: Any, argument: str) -> str:
+    what = argument if argument == "comm_hook_options" else f"{argument} options"
+    callable_hook = comm_hook is not None and not isinstance(comm_hook, str)
+    hook = f"the callable {hook_name(comm_hook)}" if callable_hook else repr(comm_hook)
+    own = entry is not None and entry.options_type is not None
+    takes = f"no {what} (its own go in {_argument_for(entry.keyword)}=...)" if own else "none"
+    takers = hooks_taking(_OPTIONS_ARGUMENTS[argument])
+    if callable_hook and argument == "comm_hook_options":
+        fix = (
+            "Pass what it needs in comm_state (its first argument), or register it with "
+            "lightning_ddpx.hooks.register_hook_name(name, factory, options_type=...) and pass comm_hook=name."
         )
-    try:
-        return entry.parse(comm_hook, powersgd)
-    except (TypeError, ValueError) as error:
-        raise type(error)(f"DDPXStrategy: powersgd={powersgd!r}: {error}") from None
+    elif len(takers) == 1:
+        fix = f"Set comm_hook={takers[0]!r} or drop {argument}=..."
+    elif takers:
+        fix = f"Set comm_hook to one of {takers} or drop {argument}=..."
+    else:
+        fix = (
+            f"Drop {argument}=..., or register a hook that takes them with "
+            "lightning_ddpx.hooks.register_hook_name(name, factory, options_type=...)."
+        )
+    return f"DDPXStrategy: {what} are given but comm_hook is {hook}, which takes {takes}. {fix}"
+
+
+def _argument_for(keyword: str) -> str:
+    """The strategies' argument carrying options that build_comm_hook takes as ``keyword``."""
+    return next(argument for argument, key in _OPTIONS_ARGUMENTS.items() if key == keyword)
 
 
 def _restore_bucket_layout(module: DistributedDataParallel, entry: Any) -> None:

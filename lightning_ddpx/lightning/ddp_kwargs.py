@@ -20,8 +20,9 @@ import importlib
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
+from lightning_ddpx.engine.module.unsupported_options import UNSUPPORTED_TORCH_ARGUMENTS
 from lightning_ddpx.engine.option_values import check_flags
-from lightning_ddpx.engine.unsupported_options import UNSUPPORTED_TORCH_ARGUMENTS
+from lightning_ddpx.hooks.registry import wrapper_named, wrapper_names
 
 if TYPE_CHECKING:
     from lightning_ddpx.lightning.config import DDPXConfig
@@ -150,20 +151,13 @@ def resolve_forward_sync_buffers(
 
 
 def wrapper_name(wrapper: Any) -> Optional[str]:
-    """``"fp16"``/``"bf16"`` for torch's or our compression wrappers (or those names), else ``None``."""
+    """The registry's name (``"fp16"``, ``"bf16"``) of torch's or our compression wrappers (or of those names,
+    or their import paths), else ``None``."""
     if isinstance(wrapper, str):
-        if wrapper in ("fp16", "bf16") or "." not in wrapper:
+        if wrapper in wrapper_names() or "." not in wrapper:
             return wrapper  # a name (an unknown one is refused by DDPXConfig, listing the valid ones)
         wrapper = _import(wrapper, "ddp_comm_wrapper")
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    from lightning_ddpx.hooks import bf16_compress_wrapper, fp16_compress_wrapper
-
-    if wrapper in (default_hooks.fp16_compress_wrapper, fp16_compress_wrapper):
-        return "fp16"
-    if wrapper in (default_hooks.bf16_compress_wrapper, bf16_compress_wrapper):
-        return "bf16"
-    return None
+    return wrapper_named(wrapper)
 
 
 def merge_lightning_hook_args(
@@ -203,9 +197,9 @@ def merge_lightning_hook_args(
             f"got {type(ddp_comm_wrapper).__name__}."
         )
     if isinstance(hook, str):
-        from lightning_ddpx.lightning.config import _resolve_comm_hook
+        from lightning_ddpx.lightning.config import resolve_comm_hook
 
-        hook = _resolve_comm_hook(hook)  # an import path becomes the callable; a registered name stays
+        hook = resolve_comm_hook(hook)  # an import path becomes the callable; a registered name stays
     if hook is None or isinstance(hook, str):
         raise ValueError(
             f"{owner}: ddp_comm_wrapper={getattr(ddp_comm_wrapper, '__qualname__', ddp_comm_wrapper)!r} wraps a "
@@ -221,7 +215,8 @@ def _import(path: str, option: str) -> Any:
         return getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError, ValueError) as error:
         raise ValueError(
-            f"{option}={path!r} is neither 'fp16', 'bf16' nor an importable wrapper: {error}"
+            f"{option}={path!r} is neither {' nor '.join(map(repr, wrapper_names()))} nor an importable "
+            f"wrapper: {error}"
         ) from None
 
 

@@ -1,32 +1,31 @@
-"""What both strategies do for DiLoCo: check the options, bind the state to the model, log the outer syncs.
+"""What both strategies do for DiLoCo: check the options, log the outer syncs.
 
 ``comm_hook="diloco"`` with ``diloco={...}`` (:class:`~lightning_ddpx.hooks.diloco.DiLoCoOptions`, a dict in
 YAML) registers a hook that keeps every rank's gradients local, and a
-:class:`~lightning_ddpx.hooks.diloco.DiLoCoState` whose ``averager`` the strategies run after each optimizer
-step, exactly where post-local SGD's model averager runs (:mod:`lightning_ddpx.lightning.post_local_sgd_setup`):
+:class:`~lightning_ddpx.hooks.diloco.DiLoCoState` whose outer step the module binds to its parameters when
+the hook is registered. The strategies run it after each optimizer step through the module's parameter
+averaging, exactly as post-local SGD's model averager (:func:`~lightning_ddpx.lightning.post_local_sgd_setup.average_after_step`):
 the same optimizer checks, the same per-rank weights and optimizer states in checkpoints.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from lightning_ddpx.hooks.diloco import DiLoCoOptions, DiLoCoState
+from lightning_ddpx.lightning._compat import forward_module
 
-__all__ = ["HOOK_NAME", "attach", "finish", "log_outer_syncs", "outer_sync_metrics", "resolve_options"]
+__all__ = ["HOOK_NAME", "log_outer_syncs", "outer_sync_metrics", "resolve_options"]
 
 HOOK_NAME = "diloco"
 
 
 def resolve_options(
-    comm_hook: Any, options: Union[DiLoCoOptions, dict[str, Any], None], comm_wrapper: Optional[str]
+    comm_hook: Any, options: Optional[DiLoCoOptions], comm_wrapper: Optional[str]
 ) -> Optional[DiLoCoOptions]:
-    """Validate a strategy's DiLoCo options (in its constructor); ``None`` unless ``comm_hook="diloco"``."""
-    if options is not None and comm_hook != HOOK_NAME:
-        raise ValueError(
-            f"DDPXStrategy: diloco options are given but comm_hook is {comm_hook!r}. Set comm_hook='{HOOK_NAME}' "
-            "or drop diloco=..."
-        )
+    """Complete a strategy's DiLoCo options (in its constructor); ``None`` unless ``comm_hook="diloco"``.
+    ``options`` come parsed, and only with the hook that takes them (the hook registry's rule, applied by
+    ``DDPXConfig``)."""
     if comm_hook != HOOK_NAME:
         return None
     if comm_wrapper is not None:
@@ -34,25 +33,7 @@ def resolve_options(
             f"DDPXStrategy: comm_wrapper={comm_wrapper!r} with comm_hook='{HOOK_NAME}': DiLoCo sends no gradients "
             f"to compress. To send the outer delta in low precision use diloco={{'precision': '{comm_wrapper}'}}."
         )
-    if options is None:
-        return DiLoCoOptions()
-    if isinstance(options, DiLoCoOptions):
-        return options
-    if isinstance(options, dict):
-        try:
-            return DiLoCoOptions.from_dict(options)
-        except (TypeError, ValueError) as error:
-            raise type(error)(f"DDPXStrategy: diloco={options!r}: {error}") from None
-    raise TypeError(
-        f"DDPXStrategy: diloco must be a DiLoCoOptions or a dict of its fields, got {type(options).__name__}."
-    )
-
-
-def attach(state: Any, module: Any) -> None:
-    """Bind a DiLoCo state to the wrapped ``module``'s trainable parameters (after its initial broadcast, so
-    every rank starts from rank 0's values as anchors). Other states: nothing."""
-    if isinstance(state, DiLoCoState):
-        state.attach(module.module.named_parameters())
+    return options if options is not None else DiLoCoOptions()
 
 
 def outer_sync_metrics(source: Any) -> list[dict[str, float]]:
@@ -62,7 +43,7 @@ def outer_sync_metrics(source: Any) -> list[dict[str, float]]:
     ``source`` is a DiLoCo state, our module, or the model ``fabric.setup`` returned (Fabric's loop logs
     them: ``for m in outer_sync_metrics(model): fabric.log_dict(m)``). Anything else: no metrics.
     """
-    module = getattr(source, "_forward_module", source)  # fabric.setup wraps our module
+    module = forward_module(source)  # fabric.setup wraps our module
     state = getattr(module, "comm_hook_state", module)
     if not isinstance(state, DiLoCoState):
         return []
@@ -86,9 +67,3 @@ def log_outer_syncs(state: Any, trainer: Any) -> None:
     for metrics in outer_sync_metrics(state):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
-
-
-def finish(state: Any) -> None:
-    """Wait for DiLoCo exchanges still in flight (at the end of training); other states: nothing."""
-    if isinstance(state, DiLoCoState):
-        state.finish()

@@ -34,14 +34,14 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_ddpx.engine.comm_stats import CommStatsSummary
-from lightning_ddpx.engine.module import DistributedDataParallel
-from lightning_ddpx.hooks.model_averaging import ModelAverager
+from lightning_ddpx.engine.module.data_parallel import DistributedDataParallel
+from lightning_ddpx.engine.reducer.comm_stats import CommStatsSummary
 from lightning_ddpx.lightning import local_replicas, optimizer_overlap_setup, post_local_sgd_setup
 from lightning_ddpx.lightning._compat import (
     PATH,
     DDPBackwardSyncControl,
     StrategyRegistry,
+    forward_module,
     weights_only_argument,
 )
 from lightning_ddpx.lightning.checkpoint_io import AtomicCheckpointIO
@@ -71,6 +71,18 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     with an error, as in the Trainer strategy) and Lightning's ``ddp_comm_hook``/``ddp_comm_state``/
     ``ddp_comm_wrapper`` spellings, plus the options below (declared once for both strategies in
     :mod:`lightning_ddpx.lightning.options`, keyword-only), with the Trainer strategy's meaning and checks.
+
+    Example::
+
+        >>> import lightning as L
+        >>> from lightning_ddpx.fabric import DDPXStrategy
+        >>> fabric = L.Fabric(accelerator="cpu", devices=2, strategy=DDPXStrategy(comm_hook="fp16"))
+        >>> fabric.launch()  # doctest: +SKIP
+        >>> model, optimizer = fabric.setup(model, optimizer)  # doctest: +SKIP
+        >>> for x, y in fabric.setup_dataloaders(dataloader):  # doctest: +SKIP
+        ...     fabric.backward(loss_fn(model(x), y))  # gradients averaged through the hook
+        ...     optimizer.step()
+        ...     optimizer.zero_grad()
     """
 
     def __init__(
@@ -99,8 +111,9 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         )
         self._ddp_kwargs = torch_ddp_kwargs(kwargs)  # Lightning's attribute: torch DDP's arguments, as given
         self._backward_sync_control = _DDPXBackwardSyncControl()
-        # post-local SGD: (model, its averager) for each model set up with the hook, averaged after steps
-        self._averaged: list[tuple[DistributedDataParallel, ModelAverager]] = []
+        # the models whose hook brings parameter averaging (post-local SGD, DiLoCo), in set-up order (the same
+        # on every rank: the order of their collectives after a step)
+        self._averaged: list[DistributedDataParallel] = []
         self._optimizers: list[Optimizer] = []  # set up with this strategy
         self._uneven_steps = StepQueue(on_push=self._on_batch_fetched)
         self._modules: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
@@ -136,10 +149,9 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             f"{type(self).__name__}: wrapping in lightning_ddpx.DistributedDataParallel, {self.hook_name}"
         )
         wrapped = self.ddpx_config.wrap(module, device_ids=ddp_device_ids(self.root_device))
-        state = self.ddpx_config.register_hook(wrapped)
-        averager = post_local_sgd_setup.averager_for(state, self.model_averaging_period)
-        if averager is not None:
-            self._averaged.append((wrapped, averager))
+        self.ddpx_config.register_hook(wrapped)
+        if wrapped.parameter_averaging is not None:
+            self._averaged.append(wrapped)
         self._modules.add(wrapped)
         self._replicas.track(wrapped)
         return wrapped
@@ -203,17 +215,17 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """Step; then, for post-local SGD, when due, average the module's parameters its optimizers update.
+        """Step; then the parameter averaging (post-local SGD, DiLoCo) of each model the optimizer updates.
 
         With ``overlap_optimizer``, nothing when the last backward already stepped this optimizer."""
         if self.overlap_optimizer and optimizer_overlap_setup.stepped_in_backward(self._modules, optimizer):
             self._replicas.after_optimizer_step()
             return None
         output = super().optimizer_step(optimizer, **kwargs)
-        for module, averager in self._averaged:
+        for module in self._averaged:
             if post_local_sgd_setup.owns_params(module, optimizer):
                 post_local_sgd_setup.check_optimizers([optimizer])
-                post_local_sgd_setup.average_after_step(averager, self._optimizers, module)
+                post_local_sgd_setup.average_after_step(module, self._optimizers)
         self._replicas.after_optimizer_step()
         return output
 
@@ -301,7 +313,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     ) -> Optional[list[Any]]:
         """Post-local SGD: every rank's modules and optimizers of ``state``, on rank 0 (a collective; see
         :mod:`lightning_ddpx.lightning.local_replicas`). ``None`` while the replicas are still identical."""
-        averaged = {id(module): averager for module, averager in self._averaged}
+        averaged = {id(module) for module in self._averaged}
         if not any(
             local_replicas.replicas_may_differ(module.comm_hook_state, id(module) in averaged)
             for module in modules.values()
@@ -367,7 +379,7 @@ def take_comm_stats(model: nn.Module) -> CommStatsSummary | None:
     Fabric's loggers belong to the ``Fabric`` object, not to the strategy, so the loop logs them:
     ``fabric.log_dict(stats.as_metrics())``. ``None`` if no step synchronised since the last call.
     """
-    ours = getattr(model, "_forward_module", model)  # fabric.setup wraps our module in a _FabricModule
+    ours = forward_module(model)  # fabric.setup wraps our module in a _FabricModule
     if not isinstance(ours, DistributedDataParallel):
         raise TypeError(
             f"take_comm_stats needs a model set up by Fabric with lightning_ddpx's DDPXStrategy, got a "

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
-from lightning_ddpx.engine.errors import waiting_for
+from lightning_ddpx.engine.agreement.errors import waiting_for
 
 __all__ = ["REPLICAS_KEY", "gather_replicas", "replica_for_rank", "replicas_may_differ"]
 

@@ -1,7 +1,7 @@
 """``overlap_optimizer=True`` in the strategies: Lightning's optimizer steps inside backward, bucket by bucket.
 
 The engine's :meth:`~lightning_ddpx.DistributedDataParallel.overlap_optimizer_with` does the work (see
-:mod:`lightning_ddpx.engine.optimizer_overlap`); this module fits it into Lightning's optimizer loop:
+:mod:`lightning_ddpx.engine.optim.overlap`); this module fits it into Lightning's optimizer loop:
 
 - **Trainer**: the configured optimizer is handed to the module at setup. ``optimizer_step`` runs
   Lightning's closure (forward, backward -- during which the buckets step -- then the
@@ -19,9 +19,10 @@ optimizers, whose steps Lightning does not drive through ``optimizer_step`` with
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable
 
-from lightning_ddpx.engine.module import DistributedDataParallel
+from lightning_ddpx.engine.module.data_parallel import DistributedDataParallel
+from lightning_ddpx.lightning._compat import unwrapped_optimizer, wrap_closure
 
 __all__ = ["attach_fabric_optimizer", "attach_trainer_optimizer", "refuse_clipping", "step_with_closure"]
 
@@ -89,12 +90,12 @@ def step_with_closure(
 ) -> Any:
     """The Trainer's ``optimizer_step`` with overlap: run the closure, step only if backward did not.
 
-    ``Precision._wrap_closure`` is what ``Precision.optimizer_step`` hands to ``optimizer.step``: the closure,
+    ``Precision._wrap_closure`` (:func:`~lightning_ddpx.lightning._compat.wrap_closure`) is what ``Precision.optimizer_step`` hands to ``optimizer.step``: the closure,
     then the ``on_before_optimizer_step`` hooks (they see the gradients; the parameters are already
     updated). A backward that did not synchronise (``training_step`` returned ``None``) stepped nothing:
     then the plain step runs, as with ``strategy="ddp"``.
     """
-    result = precision._wrap_closure(model, optimizer, closure)
+    result = wrap_closure(precision, model, optimizer, closure)
     if not (isinstance(module, DistributedDataParallel) and module.optimizer_stepped_in_backward):
         optimizer.step(**kwargs)
     return result
@@ -133,5 +134,5 @@ def refuse_clipping(overlap_optimizer: bool, what: str) -> None:
 
 def _unwrap_optimizer(optimizer: Any) -> Any:
     """The torch optimizer under Lightning's ``LightningOptimizer`` / Fabric's ``_FabricOptimizer``."""
-    inner: Optional[Any] = getattr(optimizer, "_optimizer", None) or getattr(optimizer, "optimizer", None)
-    return inner if inner is not None else optimizer
+    inner = unwrapped_optimizer(optimizer)
+    return inner if inner is not optimizer else getattr(optimizer, "optimizer", optimizer)

@@ -31,7 +31,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar, Union
 
-from lightning_ddpx.lightning.config import CommHookFn, DDPXConfig
+from lightning_ddpx.engine.buckets.grad_bucket import CommHook
+from lightning_ddpx.lightning.config import DDPXConfig
 
 __all__ = [
     "SPELLINGS",
@@ -65,10 +66,10 @@ class Option:
 # (or accepted as what they are) by ddp_kwargs.build_ddpx_config; docs/strategy.md tables the rest of torch's.
 SPELLINGS: tuple[Option, ...] = (
     Option("ddp_comm_state", Optional[Any], None, "Lightning's name for ``comm_state``."),
-    Option("ddp_comm_hook", Optional[Union[str, CommHookFn]], None, "Lightning's name for ``comm_hook``."),
+    Option("ddp_comm_hook", Optional[Union[str, CommHook]], None, "Lightning's name for ``comm_hook``."),
     Option(
         "ddp_comm_wrapper",
-        Optional[Union[str, Callable[[CommHookFn], CommHookFn]]],
+        Optional[Union[str, Callable[[CommHook], CommHook]]],
         None,
         "Lightning's wrapper argument: torch's ``fp16_compress_wrapper``/``bf16_compress_wrapper`` (or their "
         "import paths) become ``comm_wrapper``; any other wrapper is applied to the callable hook.",

@@ -16,17 +16,24 @@ after every ``optimizer_step``. The strategies here do the same for
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Optional
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as torch_post_local_sgd
 
-from lightning_ddpx.hooks.diloco import DiLoCoState
-from lightning_ddpx.hooks.model_averaging import ModelAverager, PeriodicModelAverager
+from lightning_ddpx.engine.module.data_parallel import DistributedDataParallel
+from lightning_ddpx.hooks.model_averaging import PeriodicModelAverager
 from lightning_ddpx.hooks.post_local_sgd import PostLocalSGDOptions, PostLocalSGDState, from_torch_state
+from lightning_ddpx.lightning._compat import unwrapped_optimizer
 
-__all__ = ["adopt_torch_state", "averager_for", "average_after_step", "check_optimizers", "resolve_options"]
+__all__ = [
+    "adopt_torch_state",
+    "average_after_step",
+    "check_optimizers",
+    "complete_averaging",
+    "resolve_options",
+]
 
 HOOK_NAME = "post_local_sgd"
 
@@ -44,38 +51,15 @@ def _is_post_local_state(state: Any) -> bool:
 def resolve_options(
     comm_hook: Any,
     comm_state: Any,
-    options: Union[PostLocalSGDOptions, dict[str, Any], None],
+    options: Optional[PostLocalSGDOptions],
     model_averaging_period: Optional[int],
 ) -> Optional[PostLocalSGDOptions]:
-    """Validate the post-local SGD options of a strategy (in its constructor) and return them, with
-    ``model_averaging_period`` filled in as ``period`` for the named hook."""
-    if model_averaging_period is not None and (
-        isinstance(model_averaging_period, bool)
-        or not isinstance(model_averaging_period, int)
-        or model_averaging_period < 1
-    ):
-        raise ValueError(
-            f"DDPXStrategy: model_averaging_period must be a positive number of steps or None, got "
-            f"{model_averaging_period!r}."
-        )
-    if options is not None and comm_hook != HOOK_NAME:
-        raise ValueError(
-            f"DDPXStrategy: post_local_sgd options are given but comm_hook is {comm_hook!r}. Set "
-            f"comm_hook='{HOOK_NAME}' or drop post_local_sgd=..."
-        )
+    """Complete the post-local SGD options of a strategy (in its constructor) and return them, with
+    ``model_averaging_period`` filled in as ``period`` for the named hook. ``options`` come parsed, and only
+    with the hook that takes them (the hook registry's rule, applied by ``DDPXConfig``), as does
+    ``model_averaging_period``, checked as a count."""
     if comm_hook == HOOK_NAME:
-        if isinstance(options, dict):
-            try:
-                options = PostLocalSGDOptions.from_dict(options)
-            except (TypeError, ValueError) as error:
-                raise type(error)(f"DDPXStrategy: post_local_sgd={options!r}: {error}") from None
-        elif options is None:
-            options = PostLocalSGDOptions()
-        elif not isinstance(options, PostLocalSGDOptions):
-            raise TypeError(
-                "DDPXStrategy: post_local_sgd must be a PostLocalSGDOptions or a dict of its fields, got "
-                f"{type(options).__name__}."
-            )
+        options = options if options is not None else PostLocalSGDOptions()
         options = options.with_period(model_averaging_period)
         if options.period is None and options.hierarchy is None:
             raise ValueError(_NO_PERIOD.format(what=f"comm_hook='{HOOK_NAME}'"))
@@ -119,22 +103,27 @@ def adopt_torch_state(state: Any, hook: Any, period: Optional[int]) -> tuple[Any
     return state, hook
 
 
-def averager_for(hook_state: Any, model_averaging_period: Optional[int]) -> Optional[ModelAverager]:
-    """The averager to run after each optimizer step, or ``None`` when the hook is not post-local SGD
-    (or DiLoCo, whose outer step runs at the same place)."""
-    if isinstance(hook_state, DiLoCoState):
-        return hook_state.averager
+def complete_averaging(
+    module: DistributedDataParallel, hook_state: Any, model_averaging_period: Optional[int]
+) -> None:
+    """Lightning's ``model_averaging_period`` for a post-local SGD state given without one, once its hook is
+    registered: our ``PostLocalSGDState`` takes it as its ``period`` (its averager then goes into checkpoints
+    with the state); torch's, with a hook of the user's own, gets our ``PeriodicModelAverager`` (not in
+    checkpoints). Either is registered with the module, which runs it after each optimizer step. A state that
+    brought its own averaging (the named hooks, a state with a period) needs nothing here."""
+    if module.parameter_averaging is not None or model_averaging_period is None:
+        return
     if isinstance(hook_state, PostLocalSGDState):
-        if hook_state.averager is None and model_averaging_period is not None:
-            hook_state.set_period(model_averaging_period)
-        hook_state.resolve()  # builds the averager if the groups were not made yet
-        return hook_state.averager
-    if isinstance(hook_state, torch_post_local_sgd.PostLocalSGDState) and model_averaging_period is not None:
-        # torch's state with a hook of the user's own: only the averager is ours (not in checkpoints).
-        return PeriodicModelAverager(
+        hook_state.set_period(model_averaging_period)
+        averaging = hook_state.parameter_averaging()
+    elif isinstance(hook_state, torch_post_local_sgd.PostLocalSGDState):
+        averaging = PeriodicModelAverager(
             model_averaging_period, hook_state.start_localSGD_iter, hook_state.process_group
         )
-    return None
+    else:
+        return
+    if averaging is not None:
+        module.register_parameter_averaging(averaging)
 
 
 def check_optimizers(optimizers: Iterable[Any]) -> None:
@@ -149,7 +138,7 @@ def check_optimizers(optimizers: Iterable[Any]) -> None:
     except ImportError:  # not built on every platform
         pass
     for optimizer in optimizers:
-        inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer / _FabricOptimizer
+        inner = unwrapped_optimizer(optimizer)  # LightningOptimizer / _FabricOptimizer
         if isinstance(inner, refused):
             raise ValueError(
                 f"DDPXStrategy: post-local SGD model averaging cannot work with a {type(inner).__name__}: it "
@@ -158,9 +147,10 @@ def check_optimizers(optimizers: Iterable[Any]) -> None:
             )
 
 
-def average_after_step(averager: ModelAverager, optimizers: Iterable[Any], module: torch.nn.Module) -> bool:
-    """Count one optimizer step (of any of ``optimizers``); when due, average every parameter of ``module``
-    that one of ``optimizers`` updates, each once, with or without a gradient at this step.
+def average_after_step(module: DistributedDataParallel, optimizers: Iterable[Any]) -> bool:
+    """The module's parameter averaging after one optimizer step (of any of ``optimizers``): post-local SGD,
+    when due, averages every parameter of ``module`` that one of ``optimizers`` updates, each once, with or
+    without a gradient at this step; DiLoCo takes its outer step when due.
 
     Lightning's DDPStrategy averages only the stepping optimizer's parameters that have a gradient. Then the
     ranks drift apart silently in two cases. With several optimizers taking turns (a GAN, manual
@@ -169,20 +159,11 @@ def average_after_step(averager: ModelAverager, optimizers: Iterable[Any], modul
     local steps moved it. With one optimizer whose parameters all have gradients, the two rules average the
     same parameters.
     """
-    params: list[torch.Tensor] = []
-    if averager.group_due() is not False:  # collected only when due: this runs after every step
-        own, seen = {id(p) for p in module.parameters()}, set()
-        for optimizer in optimizers:
-            for group in getattr(optimizer, "_optimizer", optimizer).param_groups:
-                for param in group["params"]:
-                    if id(param) in own and id(param) not in seen:
-                        seen.add(id(param))
-                        params.append(param)
-    return averager.average_parameters(params, only_with_grad=False)
+    return module.average_parameters_after_step([unwrapped_optimizer(o) for o in optimizers])
 
 
 def params_of(optimizer: Any) -> set[int]:
-    inner = getattr(optimizer, "_optimizer", optimizer)
+    inner = unwrapped_optimizer(optimizer)
     return {id(p) for group in inner.param_groups for p in group["params"]}
 
 

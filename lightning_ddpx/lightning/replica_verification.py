@@ -13,21 +13,17 @@ from __future__ import annotations
 import weakref
 from typing import Any, Iterable, Optional
 
-from lightning_ddpx.engine.module import DistributedDataParallel
+from lightning_ddpx.engine.module.data_parallel import DistributedDataParallel
 
 __all__ = ["ReplicaVerifier", "check_option"]
 
 
 def check_option(every_n_steps: Any, local_steps_by: Optional[str]) -> None:
-    """Constructor-time checks of the option (no process group). ``local_steps_by``: the configured method
-    whose replicas differ on purpose between synchronisations ("post-local SGD", "DiLoCo"), if any."""
+    """Constructor-time check that the option fits the hook (no process group; the value itself is checked
+    as a count where the option is declared). ``local_steps_by``: the configured method whose replicas differ
+    on purpose between synchronisations ("post-local SGD", "DiLoCo"), if any."""
     if every_n_steps is None:
         return
-    if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
-        raise ValueError(
-            "DDPXStrategy: verify_replicas_every_n_steps must be a positive number of optimizer steps or None "
-            f"(no verification), got {every_n_steps!r}."
-        )
     if local_steps_by is not None:
         raise ValueError(
             f"DDPXStrategy: verify_replicas_every_n_steps cannot be combined with {local_steps_by}: its replicas "

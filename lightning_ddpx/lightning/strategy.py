@@ -33,10 +33,10 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_ddpx.engine.consistency import broadcast_from_rank0
-from lightning_ddpx.engine.errors import waiting_for
-from lightning_ddpx.engine.module import DistributedDataParallel
-from lightning_ddpx.hooks.model_averaging import ModelAverager
+from lightning_ddpx.engine.agreement.consistency import broadcast_from_rank0
+from lightning_ddpx.engine.agreement.errors import waiting_for
+from lightning_ddpx.engine.module.data_parallel import DistributedDataParallel
+from lightning_ddpx.engine.optim.parameter_averaging import ParameterAveraging
 from lightning_ddpx.lightning import _compat as lightning_compat
 from lightning_ddpx.lightning import (
     checkpoint_state,
@@ -86,6 +86,18 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     The options are read back as attributes (``strategy.comm_hook``, ``strategy.powersgd``, ...) from
     ``strategy.ddpx_config``, the :class:`~lightning_ddpx.lightning.config.DDPXConfig` shared with the Fabric strategy
     (:mod:`lightning_ddpx.lightning.fabric`).
+
+    Example::
+
+        >>> import lightning as L
+        >>> from lightning_ddpx import DDPXStrategy
+        >>> strategy = DDPXStrategy(comm_hook="powersgd", powersgd={"matrix_approximation_rank": 2})
+        >>> strategy.powersgd.matrix_approximation_rank
+        2
+        >>> trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy)  # doctest: +SKIP
+        >>> trainer.fit(lightning_module)  # doctest: +SKIP
+        >>> # or by name (registered when lightning_ddpx is imported): "ddpx", "ddpx_powersgd", ...
+        >>> trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddpx")  # doctest: +SKIP
     """
 
     strategy_name = "ddpx"
@@ -126,7 +138,9 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         # object, so the strategy survives pickling (ddpx_spawn).
         self._pending_hook_entry: tuple[Any] | None = None
         self._sync_blocked = 0  # depth of block_backward_sync(); read by manual optimisation
-        self._averager: Optional[ModelAverager] = None  # post-local SGD: averages after optimizer_step
+        # the module's parameter averaging (post-local SGD, DiLoCo), run after each optimizer_step; kept after
+        # teardown for a checkpoint saved then
+        self._averaging: Optional[ParameterAveraging] = None
         self._pending_replica: Optional[dict[str, Any]] = None  # this rank's weights from a checkpoint
         self._uneven_steps = StepQueue()  # what the ranks agreed for each fetched training batch
         self._replicas = ReplicaVerifier(self.ddpx_config.verify_replicas_every_n_steps)
@@ -193,10 +207,12 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
 
     @override
     def _enable_model_averaging(self) -> None:
-        """Average after each optimizer step when the hook is post-local SGD (as Lightning's DDPStrategy)."""
-        self._averager = post_local_sgd_setup.averager_for(self._hook_state, self.model_averaging_period)
-        if self._averager is not None:
-            log.debug(f"{type(self).__name__}: post-local SGD, averaging with {self._averager!r}")
+        """Average after each optimizer step when the hook brings parameter averaging: post-local SGD (as
+        Lightning's DDPStrategy), DiLoCo."""
+        model = self.model
+        self._averaging = model.parameter_averaging if isinstance(model, DistributedDataParallel) else None
+        if self._averaging is not None:
+            log.debug(f"{type(self).__name__}: {self._averaging.name} with {self._averaging!r}")
             post_local_sgd_setup.check_optimizers(self.optimizers)
 
     @override
@@ -221,8 +237,9 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             )
         else:
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
-            if self._averager is not None:
-                post_local_sgd_setup.average_after_step(self._averager, self.optimizers, self.model)
+            if self._averaging is not None:
+                assert isinstance(self.model, DistributedDataParallel)
+                post_local_sgd_setup.average_after_step(self.model, self.optimizers)
                 if self.comm_stats_every_n_steps and self.lightning_module is not None:
                     trainer = lightning_compat.trainer_of(self.lightning_module)
                     if trainer is not None:  # DiLoCo: bytes of each outer sync
@@ -368,7 +385,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         Weights-only checkpoints (no optimizer states) stay weights only.
         """
         self._replicas.before_save(self._our_model())  # a diverged run must not be saved as rank 0's weights
-        if self._averager is not None and "optimizer_states" in checkpoint and dist.is_initialized():
+        if self._averaging is not None and "optimizer_states" in checkpoint and dist.is_initialized():
             self._add_local_replicas(checkpoint)
         if self._hook_registered and "optimizer_states" in checkpoint and dist.is_initialized():
             # After fit the module is unwrapped; the hook state and the bucket layout it is keyed by were kept
@@ -450,7 +467,8 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     def teardown(self) -> None:
         log.debug(f"{type(self).__name__}: tearing down")
         pl_module = self.lightning_module
-        diloco_setup.finish(self._hook_state)  # no DiLoCo exchange left in flight when the group goes
+        if self._averaging is not None:
+            self._averaging.finish()  # no DiLoCo exchange left in flight when the group goes
         if isinstance(self.model, DistributedDataParallel):
             self._final_bucket_layout = (
                 self.model.reducer_state_dict()

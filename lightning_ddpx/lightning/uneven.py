@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_ddpx.engine.errors import waiting_for
+from lightning_ddpx.engine.agreement.errors import waiting_for
 
 __all__ = [
     "UNEVEN_INPUTS",

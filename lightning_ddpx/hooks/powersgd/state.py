@@ -15,7 +15,6 @@ it and no code is unpickled; the process group is never saved.
 
 from __future__ import annotations
 
-import numbers
 import warnings
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -24,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lightning_ddpx.engine.option_values import is_finite_number
+from lightning_ddpx.engine.option_values import check_int, is_finite_number
 from lightning_ddpx.hooks.powersgd.state_check import check_state_dict
 
 __all__ = ["CompressionStats", "PowerSGDOptions", "PowerSGDState", "RankMemory", "SharedMemory"]
@@ -63,25 +62,18 @@ class PowerSGDOptions:
             value = getattr(self, name)
             if not isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"PowerSGD option {name} must be True or False, got {value!r}")
-        for name in ("matrix_approximation_rank", "start_powerSGD_iter", "random_seed",
-                     "compression_stats_logging_frequency"):  # fmt: skip
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise TypeError(f"PowerSGD option {name} must be an integer, got {value!r}")
+        owner = "PowerSGDOptions"
+        rank_hint = "Use 1 for the strongest compression and raise it (2, 4, ...) if accuracy suffers."
+        check_int(owner, "matrix_approximation_rank", self.matrix_approximation_rank, 1, hint=rank_hint)
+        start_hint = "It is the number of plain-allreduce steps before compression starts."
+        check_int(owner, "start_powerSGD_iter", self.start_powerSGD_iter, 0, hint=start_hint)
+        check_int(owner, "random_seed", self.random_seed)  # its range is checked below
+        frequency = self.compression_stats_logging_frequency
+        check_int(owner, "compression_stats_logging_frequency", frequency, 0, hint="0 or 1: every iteration.")
         for name in ("min_compression_rate", "orthogonalization_epsilon"):
             value = getattr(self, name)
             if not is_finite_number(value):
                 raise TypeError(f"PowerSGD option {name} must be a finite number, got {value!r}")
-        if self.matrix_approximation_rank < 1:
-            raise ValueError(
-                f"PowerSGD option matrix_approximation_rank must be >= 1, got {self.matrix_approximation_rank}. "
-                "Use 1 for the strongest compression and raise it (2, 4, ...) if accuracy suffers."
-            )
-        if self.start_powerSGD_iter < 0:
-            raise ValueError(
-                f"PowerSGD option start_powerSGD_iter must be >= 0, got {self.start_powerSGD_iter}; it is the "
-                "number of plain-allreduce steps before compression starts."
-            )
         if (self.use_error_feedback or self.warm_start) and self.start_powerSGD_iter < 2:
             switched_on = [n for n in ("use_error_feedback", "warm_start") if getattr(self, n)]
             raise ValueError(
@@ -106,11 +98,6 @@ class PowerSGDOptions:
             raise ValueError(
                 f"PowerSGD option random_seed must be in [0, 2**32), got {self.random_seed}; it seeds numpy's "
                 "MT19937 generator, as torch's PowerSGD does."
-            )
-        if self.compression_stats_logging_frequency < 0:
-            raise ValueError(
-                "PowerSGD option compression_stats_logging_frequency must be >= 0 (0 or 1: every iteration), "
-                f"got {self.compression_stats_logging_frequency}."
             )
 
     @classmethod
@@ -186,6 +173,18 @@ class PowerSGDState:
     name while it moves between two bucket layouts (usually empty). A strategy saves ``shared`` once and
     every rank's ``per_rank``; restoring both continues training bit for bit, also into a module whose
     buckets differ (:mod:`lightning_ddpx.hooks.powersgd.remap`).
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_ddpx.hooks import PowerSGDState, powersgd_hook
+        >>> state = PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=100)
+        >>> state.iter, state.compressing()
+        (0, False)
+        >>> model.register_comm_hook(state, powersgd_hook)  # doctest: +SKIP
+        >>> torch.save(state.state_dict(), f"powersgd_rank{rank}.pt")  # doctest: +SKIP
+        >>> # resume: a new state, loaded before the first step, then registered
+        >>> state.load_state_dict(torch.load(f"powersgd_rank{rank}.pt", weights_only=True))  # doctest: +SKIP
     """
 
     def __init__(
@@ -334,9 +333,12 @@ class PowerSGDState:
         changed = _memory_changing_options(shared_in, options)
         keep_memory = not changed
         check_state_dict(
-            state_dict, options.matrix_approximation_rank, options.min_compression_rate,
-            options.batch_tensors_with_same_shape, sizes=keep_memory,
-        )  # fmt: skip
+            state_dict,
+            options.matrix_approximation_rank,
+            options.min_compression_rate,
+            options.batch_tensors_with_same_shape,
+            sizes=keep_memory,
+        )
         if not keep_memory:
             warnings.warn(
                 f"PowerSGD state was saved with {' and '.join(changed)}: warm-start and error-feedback memory "
@@ -374,9 +376,14 @@ def _restored_shared(shared_in: dict[str, Any], keep_memory: bool) -> SharedMemo
     rng_state = shared_in["rng_state"].tolist()
     rng = np.random.RandomState()
     rng.set_state(
-        ("MT19937", np.array(rng_state[:624], dtype=np.uint32), rng_state[624], rng_state[625],
-         float(shared_in["rng_gauss"]))
-    )  # fmt: skip
+        (
+            "MT19937",
+            np.array(rng_state[:624], dtype=np.uint32),
+            rng_state[624],
+            rng_state[625],
+            float(shared_in["rng_gauss"]),
+        )
+    )
     stats = shared_in["stats"]
     memory = shared_in if keep_memory else {"q": {}, "layout": {}}
     return SharedMemory(
