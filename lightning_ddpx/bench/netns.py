@@ -89,25 +89,8 @@ def netns_unavailable_reason() -> str | None:
         _run(["ip", "netns", "add", probe])
         try:
             _run(["ip", "-n", probe, "link", "add", "p0", "type", "veth", "peer", "name", "p1"])
-            _run(
-                [
-                    "tc",
-                    "-n",
-                    probe,
-                    "qdisc",
-                    "add",
-                    "dev",
-                    "p0",
-                    "root",
-                    "tbf",
-                    "rate",
-                    "1gbit",
-                    "burst",
-                    "128kb",
-                    "latency",
-                    "20ms",
-                ]
-            )
+            _run(["tc", "-n", probe, "qdisc", "add", "dev", "p0", "root", "tbf", "rate", "1gbit",
+                  "burst", "128kb", "latency", "20ms"])  # fmt: skip
         finally:
             _run(["ip", "netns", "del", probe], check=False)
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as error:
@@ -211,37 +194,12 @@ class VethLink:
         for namespace in self.namespaces:
             _run(["ip", "netns", "del", namespace], check=False)  # a leftover with this very name
             _run(["ip", "netns", "add", namespace])
-        _run(
-            [
-                "ip",
-                "link",
-                "add",
-                self.interfaces[0],
-                "netns",
-                a,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                self.interfaces[1],
-                "netns",
-                b,
-            ]
-        )
+        _run(["ip", "link", "add", self.interfaces[0], "netns", a, "type", "veth",
+              "peer", "name", self.interfaces[1], "netns", b])  # fmt: skip
         for node, namespace in enumerate(self.namespaces):
             _run(["ip", "-n", namespace, "link", "set", "lo", "up"])
-            _run(
-                [
-                    "ip",
-                    "-n",
-                    namespace,
-                    "addr",
-                    "add",
-                    f"{self.addresses[node]}/30",
-                    "dev",
-                    self.interfaces[node],
-                ]
-            )
+            _run(["ip", "-n", namespace, "addr", "add", f"{self.addresses[node]}/30",
+                  "dev", self.interfaces[node]])  # fmt: skip
             _run(["ip", "-n", namespace, "link", "set", self.interfaces[node], "up"])
             self._shape(namespace, self.interfaces[node])
 
@@ -250,10 +208,8 @@ class VethLink:
         tc = ["tc", "-n", namespace, "qdisc", "add", "dev", interface]
         parent = ["root"]
         if self.delay_ms > 0:
-            result = _run(
-                [*tc, "root", "handle", "1:", "netem", "delay", f"{self.delay_ms}ms", "limit", "100000"],
-                check=False,
-            )
+            result = _run([*tc, "root", "handle", "1:", "netem", "delay", f"{self.delay_ms}ms",
+                           "limit", "100000"], check=False)  # fmt: skip
             if result.returncode != 0:
                 raise RuntimeError(
                     f"lightning_ddpx.bench.netns: delay_ms={self.delay_ms} needs tc's netem qdisc, which failed here "
@@ -264,21 +220,8 @@ class VethLink:
             bytes_per_s = parse_rate(self.rate) / 8
             burst = max(MIN_BURST_BYTES, int(bytes_per_s * BURST_SECONDS))
             limit = burst + int(bytes_per_s * QUEUE_SECONDS)
-            _run(
-                [
-                    *tc,
-                    *parent,
-                    "handle",
-                    "10:",
-                    "tbf",
-                    "rate",
-                    self.rate,
-                    "burst",
-                    str(burst),
-                    "limit",
-                    str(limit),
-                ]
-            )
+            _run([*tc, *parent, "handle", "10:", "tbf", "rate", self.rate, "burst", str(burst),
+                  "limit", str(limit)])  # fmt: skip
 
     # ------------------------------------------------------------------------------------ use
     def command(self, node: int, argv: list[str]) -> list[str]:
