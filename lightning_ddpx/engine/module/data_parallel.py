@@ -511,13 +511,11 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "register_comm_hook can only be called once. Build a new DistributedDataParallel to change it. "
                 "(torch: register_comm_hook or register_builtin_comm_hook can only be called once.)"
             )
-        message = (
-            "lightning_ddpx: register_comm_hook must be called before the first backward; "
-            f"{self.reducer.iterations_synced} synchronised iteration(s) already ran with the default hook."
-        )
-        self.reducer.require_between_iterations(message)
-        if self.reducer.iterations_synced > 0:
-            raise RuntimeError(message)
+        if self.reducer.iterations_synced > 0 or not self.reducer.between_iterations():
+            raise RuntimeError(
+                "lightning_ddpx: register_comm_hook must be called before the first backward; "
+                f"{self.reducer.iterations_synced} synchronised iteration(s) already ran with the default hook."
+            )
         # Every rank registers its hook here, so backends of unknown bfloat16 support may be probed.
         check_bf16_hook(hook, self.process_group, self.device, probe=True)
         averaging = parameter_averaging_of(state)  # post-local SGD's averager, DiLoCo's outer step
