@@ -1,9 +1,17 @@
-"""The GPU benchmark's two models, each in a full size (for a GPU) and a tiny one (the CPU dry run):
+"""The GPU benchmark's models, each in a full size (for a GPU) and a tiny one (the CPU dry run).
+
+Where the GPU sets the pace (each timed step ends with a synchronisation):
 
 - ``resnet50``: a ResNet-50-like CNN (bottleneck blocks 3-4-6-3, widths 64-2048, BatchNorm, 1,000 classes;
   ~25.6M parameters in 161 tensors): many mid-sized gradients, BatchNorm buffers broadcast every forward;
 - ``gpt2``: a GPT-2-small-like decoder (12 blocks, d_model 768, 12 heads, vocabulary 50,257, context 1,024,
   input and output embeddings tied; ~124M parameters): few large gradients, one of 154 MB.
+
+Where the CPU sets the pace (*launch-bound*: the GPU finishes its kernels faster than Python issues them, so
+every microsecond of host work is step time; timed free-running, ``GpuModel.free_running``):
+
+- ``mlp``: 64 x ``Linear(512, 512)`` + ReLU, batch 16, AdamW: 128 gradients in 4 buckets;
+- ``lm``: a 6-layer, 512-wide causal transformer LM under bf16 autocast, batch 8 x 128 tokens, AdamW.
 
 Synthetic data, made once per rank (data loading is not what is measured). Written here rather than taken
 from torchvision or transformers, which the project does not depend on.
@@ -111,17 +119,28 @@ class GPT2Like(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
+def deep_mlp(width: int, layers: int) -> nn.Module:
+    """``layers`` x (``Linear(width, width)`` + ReLU): many small gradients, little arithmetic per step."""
+    return nn.Sequential(*[module for _ in range(layers) for module in (nn.Linear(width, width), nn.ReLU())])
+
+
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
 class GpuModel:
-    """One model of the GPU benchmark: how to build it, one rank's batch, and its loss."""
+    """One model of the GPU benchmark: how to build it, one rank's batch, its loss, its optimizer, and how
+    it is timed."""
 
     description: str
     build: Callable[[bool], nn.Module]  # tiny -> model
     batch: Callable[[bool, torch.Generator], Batch]  # tiny, generator -> (inputs, target) on the CPU
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    optimizer: str = "sgd"  # "sgd" (lr 1e-3) or "adamw" (torch's default foreach implementation)
+    autocast: torch.dtype | None = None  # forward under torch.autocast with this dtype
+    # Launch-bound: steps are timed in runs of ``free_running`` without a synchronisation between them (one
+    # at the end of the run), as a training loop runs; 0: every step ends with one (the GPU sets the pace).
+    free_running: int = 0
 
 
 def _images(tiny: bool, generator: torch.Generator) -> Batch:
@@ -132,6 +151,17 @@ def _images(tiny: bool, generator: torch.Generator) -> Batch:
 
 def _tokens(tiny: bool, generator: torch.Generator) -> Batch:
     vocab, count, length = (128, 2, 16) if tiny else (50257, 8, 512)
+    tokens = torch.randint(vocab, (count, length + 1), generator=generator)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _vectors(tiny: bool, generator: torch.Generator) -> Batch:
+    width, count = (16, 4) if tiny else (512, 16)
+    return torch.randn(count, width, generator=generator), torch.randn(count, width, generator=generator)
+
+
+def _short_tokens(tiny: bool, generator: torch.Generator) -> Batch:
+    vocab, count, length = (128, 2, 16) if tiny else (8192, 8, 128)
     tokens = torch.randint(vocab, (count, length + 1), generator=generator)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
@@ -152,5 +182,26 @@ GPU_MODELS: dict[str, GpuModel] = {
         lambda tiny: GPT2Like(vocab=128, context=16, d_model=32, layers=2, heads=4) if tiny else GPT2Like(),
         _tokens,
         _next_token_loss,
+    ),
+    "mlp": GpuModel(
+        "launch-bound: 64 x Linear(512, 512) + ReLU, 128 tensors, batch 16, AdamW, free-running",
+        lambda tiny: deep_mlp(16, 8) if tiny else deep_mlp(512, 64),
+        _vectors,
+        F.mse_loss,
+        optimizer="adamw",
+        free_running=10,
+    ),
+    "lm": GpuModel(
+        "launch-bound: 6-layer 512-wide causal LM, bf16 autocast, batch 8 x 128 tokens, AdamW, free-running",
+        lambda tiny: (
+            GPT2Like(vocab=128, context=16, d_model=32, layers=2, heads=4)
+            if tiny
+            else GPT2Like(vocab=8192, context=128, d_model=512, layers=6, heads=8)
+        ),
+        _short_tokens,
+        _next_token_loss,
+        optimizer="adamw",
+        autocast=torch.bfloat16,
+        free_running=10,
     ),
 }

@@ -299,6 +299,8 @@ def _train_pair(rank: int, name: str, device_index: int | None = None, side_stre
         for optimizer in optimizers:
             with on_side_stream(stream):
                 optimizer.step()
+        with on_side_stream(stream):  # the hook's model averaging (DiLoCo, post-local SGD; else nothing)
+            ours.average_parameters_after_step()
     ours.close()
 
 

@@ -38,9 +38,11 @@ def test_dry_run_runs_the_cpu_side_of_every_part(tmp_path):
     for setup in ("nccl_ws1", "gloo_2ranks"):
         result = json.loads((tmp_path / f"gpu_dryrun_{setup}.json").read_text())
         assert result["device"] == "cpu" and result["backend"] == "gloo"
-        assert sorted(result["models"]) == ["gpt2", "resnet50"]
-        for model in result["models"].values():
+        assert sorted(result["models"]) == ["gpt2", "lm", "mlp", "resnet50"]
+        for name, model in result["models"].items():
             assert model["summary"]["pairs"] == 2 and model["summary"]["ratio"] > 0
+            assert model["cpu_summary"]["pairs"] == 2 and model["cpu_summary"]["candidate_ms"] > 0
+            assert model["free_running"] == (10 if name in ("lm", "mlp") else 0)
             assert model["ours_buckets"] >= 1
             # the profiler found our reducer's labels: the host-overhead code path ran
             assert model["overhead"]["launch_us_per_bucket"] > 0
@@ -62,6 +64,8 @@ def test_the_summary_tables_peak_memory_column_gives_ours_then_torchs_as_its_hea
 
     result = {
         "summary": {"baseline_ms": 10.0, "candidate_ms": 10.5, "ratio": 1.05},
+        "cpu_summary": {"baseline_ms": 9.0, "candidate_ms": 9.5, "ratio": 1.06},
+        "before": {"ours_vs_before": {"ratio": 0.9}},
         "target_ratio": None,
         "result": "-",
         "overhead": {"host_us_per_bucket": 12.0},
@@ -74,3 +78,5 @@ def test_the_summary_tables_peak_memory_column_gives_ours_then_torchs_as_its_hea
     assert cells["peak MiB ours / torch"] == "300 / 200"
     assert cells["syncs/step ours / torch"] == "0.0 / 1.0"
     assert (cells["torch ms"], cells["ours ms"]) == ("10.0", "10.5")
+    assert cells["CPU ms/step torch / ours"] == "9.00 / 9.50"
+    assert cells["ours/before"] == "0.900"

@@ -19,6 +19,8 @@ __all__ = [
     "JoinConfig",
     "aot_compiles",
     "allow_non_fake_inputs",
+    "cuda_current_stream_key",
+    "cuda_stream_of_key",
     "ddp_optimizer_context",
     "default_store",
     "default_group",
@@ -188,6 +190,20 @@ def group_timeout(group: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------------------- devices
+def cuda_current_stream_key(device_index: int) -> tuple[int, int, int]:
+    """The current CUDA stream of a device as torch's own triple (stream id, device index, device type), the
+    data ``torch.cuda.current_stream`` builds its ``Stream`` object from. The reducer notes it per gradient,
+    where building the object (device-index parsing, a Python ``__new__``) cost several microseconds per call
+    on a launch-bound GPU step. Equal triples are the same stream. torch >= 1.9; CUDA builds only (called
+    only for CUDA tensors, whose gradients mean CUDA is initialised)."""
+    return torch._C._cuda_getCurrentStream(device_index)
+
+
+def cuda_stream_of_key(key: tuple[int, int, int]) -> "torch.cuda.Stream":
+    """The ``torch.cuda.Stream`` of a triple from :data:`cuda_current_stream_key` (public constructor)."""
+    return torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+
+
 def device_index(device: Any) -> int:
     """An entry of ``device_ids`` (int, ``torch.device`` or string) as a device index, exactly as torch's DDP
     reads it (a device without an index means the current one). torch >= 1.0."""

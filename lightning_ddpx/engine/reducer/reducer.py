@@ -135,7 +135,7 @@ class Reducer:
         self.sparse_gradients = list(sparse_gradients or [False] * len(self.params))
         self.index_of = {id(p): i for i, p in enumerate(self.params)}
         self._on_cuda = any(p.device.type == "cuda" for p in self.params)
-        self.streams = GradientStreams(len(self.params))
+        self.streams = GradientStreams(self.params)
         # static_graph: the first synchronised backward's record replaces the per-step graph walk
         self.static: StaticGraph | None = StaticGraph(self.names) if self.static_graph else None
         self.used = used  # torch's used maps (engine.used_parameters); read by the optimizer overlap too

@@ -3,7 +3,9 @@
 On the CPU (gloo) there are no streams and every function here is a no-op. On CUDA (NCCL):
 
 - a parameter's gradient hook runs on the stream that produced its gradient (the autograd engine makes the
-  node's stream current); the reducer notes that stream per parameter;
+  node's stream current); the reducer notes that stream per parameter, as torch's raw (id, device, type)
+  triple, without building a ``Stream`` object (the per-gradient path; objects are made only for the rare
+  gradient from another stream);
 - a bucket is filled when its last gradient arrives, on that hook's current stream (the *launch* stream).
   A gradient produced on another stream is copied on *its* stream, and the launch stream then waits for
   that stream (``wait_stream``: an event on the GPU, not on the host);
@@ -26,6 +28,8 @@ import contextlib
 from typing import ContextManager, Iterable, Optional, Sequence
 
 import torch
+
+from lightning_ddpx._compat.torch import cuda_current_stream_key, cuda_stream_of_key
 
 __all__ = [
     "GradientStreams",
@@ -81,19 +85,28 @@ def comm_thread_stream(device: torch.device) -> Optional["torch.cuda.Stream"]:
     return torch.cuda.Stream(device)
 
 
+StreamKey = tuple[int, int, int]  # torch's (stream id, device index, device type) of a CUDA stream
+
+
+def stream_key(stream: "torch.cuda.Stream") -> StreamKey:
+    """The triple :data:`~lightning_ddpx._compat.torch.cuda_current_stream_key` gives for ``stream``."""
+    return (stream.stream_id, stream.device_index, stream.device_type)
+
+
 class GradientStreams:
     """CUDA: the stream that produced each parameter's gradient in this backward (``None``: not produced,
     or not on CUDA), so that a bucket's launch stream is ordered after all of them."""
 
-    def __init__(self, count: int) -> None:
-        self._producer: list[Optional["torch.cuda.Stream"]] = [None] * count
+    def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
+        self._producer: list[Optional[StreamKey]] = [None] * len(params)
+        self._device_index = [p.device.index if p.device.type == "cuda" else -1 for p in params]
 
     def note(self, index: int, param: torch.nn.Parameter, view: torch.Tensor | None) -> None:
         """Parameter ``index``'s gradient was just produced, on the current stream: remember that stream.
         With bucket views (``view``), copy the gradient into its view on that stream now (the tensor autograd
         made is freed right after, so the copy must not outlive it on another stream). On the CPU, views
         adopt their gradients in one batched copy at launch instead."""
-        self._producer[index] = torch.cuda.current_stream(param.device)
+        self._producer[index] = cuda_current_stream_key(self._device_index[index])
         if view is not None and param.grad is not view:
             with torch.no_grad():
                 view.copy_(param.grad)
@@ -109,8 +122,9 @@ class GradientStreams:
         """Streams other than ``stream`` that produced gradients of these parameters (usually none)."""
         if stream is None:
             return []
-        producers = self._producer
-        return [producers[i] for i in indices if producers[i] is not None and producers[i] != stream]
+        producers, own = self._producer, stream_key(stream)
+        other_keys = {producers[i] for i in indices if producers[i] is not None and producers[i] != own}
+        return [cuda_stream_of_key(key) for key in other_keys]
 
     @torch.no_grad()
     def copy_on_producers(
@@ -128,7 +142,8 @@ class GradientStreams:
             if param.grad is None:
                 view.zero_()
                 continue
-            producer = self._producer[index]
+            key = self._producer[index]
+            producer = cuda_stream_of_key(key) if key is not None else stream  # kept: on the launch stream
             producers.append(producer)
             with torch.cuda.stream(producer):
                 if scale is None:
