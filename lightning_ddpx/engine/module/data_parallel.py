@@ -259,6 +259,44 @@ class DistributedDataParallel(nn.Module, Joinable):
         reducer.before_reduction = weakly(self.verify_settings)  # held weakly: no cycle to collect
         return reducer
 
+    def use_process_group(
+        self, process_group: dist.ProcessGroup, comm_hook: tuple[Any, CommHook] | None = None
+    ) -> None:
+        """Average over ``process_group`` from now on: the membership of a fault-tolerant run changed
+        (:mod:`lightning_ddpx.fault`), and every member calls this, between iterations, with the new group.
+
+        The old reducer is closed without waiting for its group, whose peers may be gone, and a new one is
+        built (collective on two CPU ranks, as at construction). The parameters are not broadcast: the
+        caller makes the members' replicas equal (a newcomer is healed from a live peer) and proves it.
+        ``comm_hook``: the ``(state, hook)`` the new reducer uses; a module with a registered hook needs it
+        (only the caller knows whether the hook's state can follow a new group).
+        """
+        if not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(
+                "lightning_ddpx.DistributedDataParallel.use_process_group: process_group must be a "
+                f"torch.distributed.ProcessGroup, got {type(process_group).__name__}."
+            )
+        reducer = self._reducer
+        if reducer is not None:
+            reducer.require_between_iterations(
+                f"lightning_ddpx (rank {self.rank}): use_process_group was called while this rank's backward "
+                "was reducing; call it between iterations."
+            )
+            if reducer.hook_registered and comm_hook is None:
+                raise RuntimeError(
+                    f"lightning_ddpx: a communication hook ({reducer.transport.name}) is registered; "
+                    "use_process_group needs comm_hook=(state, hook) for the new group."
+                )
+            reducer.close()
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.buffer_source_rank = 0
+        self._shared_memory_obstacles = None  # the new group's ranks are asked again
+        self._reducer = self._new_reducer()
+        if comm_hook is not None:
+            self.register_comm_hook(*comm_hook)
+
     def synced_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The module's parameters this module synchronises: all but those torch's ignore list names."""
         return [(n, p) for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore]

@@ -1,0 +1,50 @@
+"""Whether a step counts: every member's collectives succeeded, agreed through the store before any rank
+applies the step.
+
+A rank dying mid-step can leave the survivors in different states: one finished its last all-reduce, another
+failed in it. Whatever each saw, all must do the same with the step, so each member votes and one decision
+is written, once, by ``compare_set`` (the first writer wins, everyone reads the same):
+
+- a member whose collectives failed writes ``abort`` at once;
+- the member whose ``ok`` vote completes the count writes ``commit`` (``commit+admit`` when newcomers wait
+  in the joiner log: the members admit them at the next step boundary);
+- a member waiting for the decision looks, every ``POLL_S``, for a lost member (the launcher's mark, a
+  stalled heartbeat) and writes ``abort`` if it finds one: a rank that died after its collectives but
+  before voting.
+
+A commit therefore means every member's vote was ``ok``: no rank applies a half-reduced update. It costs a
+member three store round trips per step (``add``, ``wait``, ``get``).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from lightning_ddpx.fault.membership import Generation, Membership
+
+__all__ = ["ABORT", "COMMIT", "COMMIT_AND_ADMIT", "vote"]
+
+COMMIT, COMMIT_AND_ADMIT, ABORT = "commit", "commit+admit", "abort"
+POLL_S = 0.25
+
+
+def vote(store: Any, membership: Membership, generation: Generation, attempt: int, ok: bool) -> str:
+    """This member's vote on step ``attempt`` of ``generation`` (attempts are numbered per generation, so a
+    retried step votes afresh); returns the decision every member reads."""
+    prefix = f"ft/gen/{generation.number}/step/{attempt}/"
+    decision_key = prefix + "decision"
+    if ok:
+        if int(store.add(prefix + "ok", 1)) == len(generation.members):
+            admit = membership.joiner_count() > generation.joiners_consumed
+            return store.compare_set(decision_key, "", COMMIT_AND_ADMIT if admit else COMMIT).decode()
+    else:
+        return store.compare_set(decision_key, "", ABORT).decode()
+    while True:
+        try:
+            store.wait([decision_key], timedelta(seconds=POLL_S))
+            return store.get(decision_key).decode()
+        except RuntimeError:  # not decided yet: a member may have died before voting
+            lost = membership.any_lost(generation.members)
+            if lost is not None:
+                return store.compare_set(decision_key, "", ABORT).decode()

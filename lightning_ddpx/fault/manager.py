@@ -1,0 +1,389 @@
+"""The bare module's fault tolerance: a lost rank does not end the run, a newcomer heals from a live peer.
+
+    ft = FaultTolerance()                       # started by python -m lightning_ddpx.fault.launch
+    model = ft.wrap(net)                        # our DistributedDataParallel over the current members
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ft.track(optimizer)                         # state a newcomer receives with the model's
+    while ft.steps_committed < total_steps:
+        with ft.step() as step:                 # a step boundary: a changed membership is applied here
+            optimizer.zero_grad()
+            loss_fn(model(batch_for(ft.steps_committed, ft.rank, ft.world_size))).backward()
+        if step.committed:                      # every member's collectives succeeded
+            optimizer.step()
+
+What happens when a member is lost (docs/fault-tolerance.md):
+
+1. The survivors' collectives fail (a dead peer's connection closes at once; a silent one after
+   ``collective_timeout_s``); :meth:`FaultTolerance.step` catches the failure and votes ``abort``
+   (:mod:`~lightning_ddpx.fault.commit`). No member applies the step, whatever it saw.
+2. At the next step boundary the survivors agree on the next generation
+   (:mod:`~lightning_ddpx.fault.membership`), build a new default process group on the launcher's store
+   (``ft/gen/<n>/pg/``), and move the module onto it (``use_process_group``).
+3. The discarded step is retried by the survivors: ``steps_committed`` did not move, so a data order keyed on
+   it hands the lost rank's share to the survivors (``rank`` and ``world_size`` are the new generation's).
+4. A newcomer (a replacement) registers and is admitted at a step boundary after a committed step; the
+   lowest-ranked survivor sends it the module's parameters and buffers, every tracked object's state and the
+   step counters, and :meth:`~lightning_ddpx.DistributedDataParallel.verify_replicas` proves every member
+   bit-identical before it trains.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_ddpx.engine.agreement.errors import CommunicationError, as_communication_error
+from lightning_ddpx.engine.module.data_parallel import DistributedDataParallel
+from lightning_ddpx.fault.commit import ABORT, COMMIT_AND_ADMIT, vote
+from lightning_ddpx.fault.launch_env import LaunchInfo, connect, launch_info_from_environment
+from lightning_ddpx.fault.membership import FaultToleranceError, Generation, Membership, RunEnded
+from lightning_ddpx.fault.options import FaultToleranceOptions
+from lightning_ddpx.hooks.registry import build_comm_hook
+
+__all__ = ["SUPPORTED_HOOKS", "FaultTolerance", "FaultToleranceStats", "RunEnded", "StepOutcome"]
+
+log = logging.getLogger("lightning_ddpx.fault")
+
+# Hooks whose only state is the default process group, which each membership rebuilds.
+SUPPORTED_HOOKS = ("allreduce", "bf16", "fp16", "noop")
+
+
+@dataclass
+class StepOutcome:
+    """What :meth:`FaultTolerance.step` decided for one step."""
+
+    committed: bool = False  # every member's collectives succeeded: apply the step
+    error: BaseException | None = None  # this member's failure, if it had one
+
+
+@dataclass
+class FaultToleranceStats:
+    """What loggers get: the membership and what failures cost."""
+
+    generation: int = 0
+    world_size: int = 0
+    failures: int = 0  # steps discarded because a member was lost
+    members_lost: int = 0
+    newcomers_healed: int = 0
+    last_recovery_s: float | None = None  # from a failed step to the next committed one
+    last_heal_s: float | None = None  # a newcomer's state sent, received and verified
+    events: list[str] = field(default_factory=list)
+
+
+class FaultTolerance:
+    """One training process's part in a fault-tolerant run (see the module's docstring)."""
+
+    def __init__(
+        self,
+        options: FaultToleranceOptions | bool | dict | None = True,
+        *,
+        launch: LaunchInfo | None = None,
+        backend: str = "gloo",
+    ) -> None:
+        self.options = FaultToleranceOptions.of(options) or FaultToleranceOptions()
+        if backend != "gloo":
+            raise ValueError(
+                f"lightning_ddpx fault tolerance: backend {backend!r} is not supported yet; only 'gloo' rebuilds "
+                "its groups after a lost rank (NCCL needs its communicators aborted)."
+            )
+        self.backend = backend
+        self.launch = launch if launch is not None else launch_info_from_environment()
+        self.uid = self.launch.uid
+        timeout = timedelta(seconds=self.options.join_timeout_s)
+        self.store = connect(self.launch, timeout)
+        self.membership = Membership(
+            self.store,
+            self.uid,
+            heartbeat_timeout_s=self.options.heartbeat_timeout_s,
+            join_timeout_s=self.options.join_timeout_s,
+            min_ranks=self.options.min_ranks,
+            connect=lambda: connect(self.launch, timeout),
+        )
+        self.stats = FaultToleranceStats()
+        self.model: DistributedDataParallel | None = None
+        self._hook: tuple[Any, Any] | None = None  # (state, hook) from wrap(comm_hook=...)
+        self._checked = False  # the model's set-up refused or accepted, at the first step
+        self._tracked: list[Any] = []
+        self.steps_committed = 0
+        self._attempt = 0  # step attempts in this generation (the vote's key)
+        self._pending: str | None = None  # why the membership must change at the next boundary
+        self._failed_at: float | None = None
+        self.membership.register()
+        generation = self.membership.wait_for_admission(self.launch.initial_world_size)
+        self._enter(generation)
+        self._heal_due = True  # the first boundary heals: from rank 0 at the start, else from a survivor
+
+    # ------------------------------------------------------------------------------------ public API
+    @property
+    def rank(self) -> int:
+        """This process's rank in the current generation (changes when the membership does)."""
+        return self.generation.rank_of(self.uid)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.generation.members)
+
+    def wrap(
+        self,
+        module: nn.Module,
+        *,
+        comm_hook: str | None = None,
+        comm_wrapper: str | None = None,
+        **ddp_options: Any,
+    ) -> DistributedDataParallel:
+        """``module`` in our :class:`~lightning_ddpx.DistributedDataParallel` over the current members, with
+        the communication hook named ``comm_hook`` (one of :data:`SUPPORTED_HOOKS`, optionally cast by
+        ``comm_wrapper``: ``"fp16"``/``"bf16"``). No collective here: the first :meth:`step` makes the replicas
+        equal (rank 0's at the start, a survivor's for a newcomer)."""
+        for refused in ("process_group", "init_sync"):
+            if refused in ddp_options:
+                raise ValueError(
+                    f"lightning_ddpx fault tolerance: wrap() sets {refused} itself (the group changes with the "
+                    "membership; the replicas are made equal at the first step)."
+                )
+        if self.model is not None:
+            raise RuntimeError(
+                "lightning_ddpx fault tolerance: wrap() was already called; one model per run."
+            )
+        if comm_hook is not None and comm_hook not in SUPPORTED_HOOKS:
+            raise ValueError(
+                f"lightning_ddpx fault tolerance: comm_hook {comm_hook!r} is not supported with fault tolerance; "
+                f"the supported hooks are {list(SUPPORTED_HOOKS)} (their state is the default group, which each "
+                "membership rebuilds). PowerSGD, post-local SGD and DiLoCo keep per-rank and shared state across "
+                "steps that a membership change would have to carry, and are refused rather than half-working."
+            )
+        self.model = DistributedDataParallel(module, init_sync=False, **ddp_options)
+        if comm_hook is not None:
+            self._hook = build_comm_hook(comm_hook, wrapper=comm_wrapper)
+            self.model.register_comm_hook(*self._hook)
+        elif comm_wrapper is not None:
+            raise ValueError("lightning_ddpx fault tolerance: comm_wrapper needs a comm_hook to wrap.")
+        return self.model
+
+    def track(self, *objects: Any) -> None:
+        """Objects whose ``state_dict()`` a newcomer receives and loads (optimizers, LR schedulers...), in
+        the same order on every process."""
+        for obj in objects:
+            if not (
+                callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+            ):
+                raise TypeError(
+                    f"lightning_ddpx fault tolerance: track() takes objects with state_dict() and "
+                    f"load_state_dict(), got {type(obj).__name__}."
+                )
+            self._tracked.append(obj)
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[StepOutcome]:
+        """One training step's forward and backward, at a step boundary. A membership change decided by the
+        last step is applied first (a new group; newcomers healed). A communication failure inside is caught
+        and voted on; apply the step (``optimizer.step()``) only if ``outcome.committed``."""
+        if self.model is None:
+            raise RuntimeError("lightning_ddpx fault tolerance: call wrap(module) before the first step().")
+        if not self._checked:
+            _refuse_unsupported(self.model, self._hook is not None)
+            self._checked = True
+        self._at_boundary()
+        outcome = StepOutcome()
+        try:
+            yield outcome
+        except Exception as error:  # noqa: BLE001 - only communication failures are voted on; others re-raised
+            if not _is_communication_failure(error):
+                self._abandon_step()  # the others must not wait for this member's vote
+                raise
+            outcome.error = error
+        self._attempt += 1
+        decision = vote(self.store, self.membership, self.generation, self._attempt, outcome.error is None)
+        outcome.committed = decision != ABORT
+        if outcome.committed:
+            self.steps_committed += 1
+            if self._failed_at is not None:
+                self.stats.last_recovery_s = time.monotonic() - self._failed_at
+                self._failed_at = None
+            if decision == COMMIT_AND_ADMIT:
+                self._pending = "newcomers waiting"
+        else:
+            self.stats.failures += 1
+            self._failed_at = self._failed_at or time.monotonic()
+            cause = outcome.error if outcome.error is not None else "a member was lost before voting"
+            self._note(
+                f"step {self.steps_committed} discarded on every member of generation "
+                f"{self.generation.number} ({_first_line(cause)}); it is retried by the survivors"
+            )
+            self._pending = f"step {self.steps_committed} failed"
+
+    def _abandon_step(self) -> None:
+        """An error of the user's inside :meth:`step`: vote ``abort`` so that the others discard the step and
+        regroup (without this process if it exits), then let the error propagate."""
+        self._attempt += 1
+        try:
+            vote(self.store, self.membership, self.generation, self._attempt, ok=False)
+        except Exception:  # noqa: BLE001 - the store is gone: the user's error is the one to report
+            pass
+        self._pending = f"process {self.uid} raised inside step()"
+
+    def close(self) -> None:
+        """Leave the run: stop the heartbeat, close the module; the process group is destroyed."""
+        self.membership.leave(self.generation)
+        self.membership.close()
+        if self.model is not None:
+            self.model.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ----------------------------------------------------------------------------------- boundaries
+    def _at_boundary(self) -> None:
+        """Apply a membership change decided by the last step; a member lost meanwhile (while the group was
+        rebuilt or a newcomer healed) makes another one."""
+        while self._pending is not None or self._heal_due:
+            try:
+                if self._pending is not None:
+                    self._regroup(self._pending)
+                    self._pending = None
+                if self._heal_due:
+                    self._heal()
+                    self._heal_due = False
+            except Exception as error:  # noqa: BLE001 - communication failures regroup; others propagate
+                if not _is_communication_failure(error):
+                    raise
+                self._pending = f"a member was lost while the membership changed ({_first_line(error)})"
+
+    def _regroup(self, reason: str) -> None:
+        current = self.generation
+        while True:
+            generation = self.membership.next_generation(current, reason)
+            try:
+                self._enter(generation)
+                break
+            except RuntimeError as error:  # a member of the record did not arrive: it was lost meanwhile
+                if not _is_communication_failure(error) and "timeout" not in str(error).lower():
+                    raise
+                current, reason = generation, f"a member of generation {generation.number} did not arrive"
+        assert self.model is not None
+        self.model.use_process_group(dist.group.WORLD, comm_hook=self._hook)
+        self._heal_due = bool(generation.newcomers)
+
+    def _enter(self, generation: Generation) -> None:
+        """Build the default process group of ``generation`` (rank = place in its member list)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.generation = generation
+        self._attempt = 0
+        dist.init_process_group(
+            self.backend,
+            store=dist.PrefixStore(f"ft/gen/{generation.number}/pg/", self.store),
+            rank=generation.rank_of(self.uid),
+            world_size=len(generation.members),
+            timeout=timedelta(seconds=self.options.collective_timeout_s),
+        )
+        self.stats.generation, self.stats.world_size = generation.number, len(generation.members)
+        self.stats.members_lost += len(generation.lost)
+        lost = f"; lost {', '.join(generation.lost)}" if generation.lost else ""
+        joined = [uid for uid in generation.newcomers if generation.number > 1]
+        admitted = f"; admitted {', '.join(joined)}" if joined else ""
+        self._note(
+            f"generation {generation.number}: {len(generation.members)} rank(s) {list(generation.members)} "
+            f"({generation.reason}{lost}{admitted}); this process is rank {generation.rank_of(self.uid)}"
+        )
+
+    # ----------------------------------------------------------------------------------------- heal
+    def _heal(self) -> None:
+        """Send the newcomers the state of the lowest-ranked member that was there before (rank 0 at the
+        start), then prove every replica equal. Every member takes part."""
+        assert self.model is not None
+        generation = self.generation
+        started = time.monotonic()
+        peers = generation.previous or generation.members[:1]
+        source = generation.rank_of(min(peers))
+        payload = self._state() if self.rank == source else None
+        state = _broadcast_bytes(payload, source)
+        if self.uid in generation.newcomers and self.rank != source:
+            self._load(state)
+        self.model.verify_replicas(buffers=True, what="after a newcomer was healed")
+        self.membership.mark_healthy()
+        if generation.number > 1:
+            self.stats.newcomers_healed += len(generation.newcomers)
+            self.stats.last_heal_s = time.monotonic() - started
+            self._note(
+                f"healed {', '.join(generation.newcomers)} from {min(peers)} in {self.stats.last_heal_s:.2f} s "
+                f"({len(state) / 2**20:.1f} MiB); replicas verified"
+            )
+
+    def _state(self) -> bytes:
+        assert self.model is not None
+        buffer = io.BytesIO()
+        torch.save(
+            {
+                "module": self.model.module.state_dict(),
+                "tracked": [obj.state_dict() for obj in self._tracked],
+                "steps_committed": self.steps_committed,
+            },
+            buffer,
+        )
+        return buffer.getvalue()
+
+    def _load(self, data: bytes) -> None:
+        assert self.model is not None
+        state = torch.load(io.BytesIO(data), weights_only=True)
+        if len(state["tracked"]) != len(self._tracked):
+            raise FaultToleranceError(
+                f"lightning_ddpx fault tolerance: the live peer tracks {len(state['tracked'])} object(s) and "
+                f"this newcomer {len(self._tracked)}: call track() with the same objects on every process."
+            )
+        self.model.module.load_state_dict(state["module"])
+        for obj, obj_state in zip(self._tracked, state["tracked"]):
+            obj.load_state_dict(obj_state)
+        self.steps_committed = int(state["steps_committed"])
+
+    def _note(self, message: str) -> None:
+        self.stats.events.append(message)
+        log.warning("lightning_ddpx fault tolerance (process %s): %s", self.uid, message)
+
+
+def _refuse_unsupported(model: DistributedDataParallel, hook_from_wrap: bool) -> None:
+    """What cannot survive a membership change, refused by name before the first step."""
+    reducer = model.reducer
+    if reducer.hook_registered and not hook_from_wrap:
+        raise ValueError(
+            f"lightning_ddpx fault tolerance: the model has a communication hook ({reducer.transport.name}) "
+            f"registered outside wrap(); pass comm_hook= to wrap() (supported: {list(SUPPORTED_HOOKS)})."
+        )
+    if reducer.overlap is not None or reducer.in_backward is not None:
+        raise ValueError(
+            "lightning_ddpx fault tolerance: the optimizer overlap (or an optimizer in backward) updates "
+            "parameters during backward, before the members agree whether the step counts, so a discarded "
+            "step could not be undone; train without it."
+        )
+
+
+def _broadcast_bytes(payload: bytes | None, source: int) -> bytes:
+    """``payload`` from rank ``source`` to every rank of the default group (two broadcasts: size, bytes)."""
+    size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
+    dist.broadcast(size, source)
+    data = (
+        torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        if payload is not None
+        else torch.empty(int(size.item()), dtype=torch.uint8)
+    )
+    dist.broadcast(data, source)
+    return payload if payload is not None else data.numpy().tobytes()
+
+
+def _is_communication_failure(error: BaseException) -> bool:
+    if isinstance(error, (CommunicationError, dist.DistError)):
+        return True
+    return isinstance(error, RuntimeError) and as_communication_error(error, "", None) is not None
+
+
+def _first_line(cause: Any) -> str:
+    text = str(cause).strip().splitlines()
+    return text[0][:200] if text else type(cause).__name__

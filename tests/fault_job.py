@@ -1,0 +1,107 @@
+"""A fault-tolerant training job for the tests: the bare module under ``python -m lightning_ddpx.fault.launch``.
+
+    python -m lightning_ddpx.fault.launch --nproc 3 --replacements 1 -- tests/fault_job.py OUT_DIR STEPS [KILL]
+
+Each process trains the same small model (seed 0) with data keyed on (committed step, rank, world size), and
+appends, after every committed step, ``uid pid generation world_size step digest`` to ``OUT_DIR/<uid>.log``
+(the digest: a hash of the parameters' bytes). ``KILL`` = ``uid:step:point`` makes process ``uid`` kill
+itself with SIGKILL at attempt ``step`` (a committed-step count), at ``point``: ``forward``, ``backward``
+(from a gradient hook, buckets in flight), ``optimizer`` (after the step was committed, before it is
+applied), or ``boundary`` (before the step starts); ``raise`` makes it raise a communication failure inside
+the step without dying (the fail-at injection: every member discards the step, nobody is lost).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import signal
+import sys
+import time
+
+import torch
+from torch import nn
+
+from lightning_ddpx.engine.agreement.errors import CommunicationError
+from lightning_ddpx.fault import FaultTolerance, RunEnded
+
+
+def digest(model: nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step`` (24 samples), this rank's share of it."""
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(24, 8, generator=g), torch.randn(24, 1, generator=g)
+    share = [i for i in range(24) if i % world_size == rank]
+    return x[share], y[share]
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    out_dir, steps = sys.argv[1], int(sys.argv[2])
+    kill_uid, kill_step, kill_point = (
+        (sys.argv[3].split(":") + ["", "", ""])[:3] if len(sys.argv) > 3 else ("", "", "")
+    )
+    pause_s = float(os.environ.get("FAULT_JOB_PAUSE_S", "0"))  # per step: time for a replacement to arrive
+    try:
+        ft = FaultTolerance(
+            {"heartbeat_timeout_s": 5.0, "collective_timeout_s": 20.0, "join_timeout_s": 60.0}
+        )
+    except RunEnded:
+        return  # a replacement that arrived after the last step
+    me = ft.uid
+    torch.manual_seed(0 if not ft.launch.replacement else 1234)  # a newcomer starts from other values
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    hook = os.environ.get("FAULT_JOB_HOOK") or None  # e.g. "fp16"
+    model = ft.wrap(net, bucket_cap_mb=0.0001, comm_hook=hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ft.track(optimizer)
+
+    injected = []
+
+    def maybe_die(point: str) -> None:
+        if me == kill_uid and point == kill_point and ft.steps_committed == int(kill_step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if me == kill_uid and kill_point == "raise" and point == "forward" and not injected:
+            if ft.steps_committed == int(kill_step):
+                injected.append(True)
+                raise CommunicationError(f"injected failure in process {me} at step {kill_step}")
+
+    if kill_point == "backward":
+        net[0].weight.register_hook(lambda g: (maybe_die("backward"), g)[1])
+    with open(os.path.join(out_dir, f"{me}.log"), "a") as log:
+        while ft.steps_committed < steps:
+            maybe_die("boundary")
+            with ft.step() as outcome:
+                x, y = batch(ft.steps_committed, ft.rank, ft.world_size)
+                optimizer.zero_grad()
+                maybe_die("forward")
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward()
+            if outcome.committed:
+                maybe_die("optimizer")
+                optimizer.step()
+                time.sleep(pause_s)
+                g = ft.generation
+                print(
+                    me,
+                    os.getpid(),
+                    g.number,
+                    len(g.members),
+                    ft.steps_committed,
+                    digest(net),
+                    file=log,
+                    flush=True,
+                )
+    print(f"{me} done: {ft.stats}", flush=True)
+    ft.close()
+
+
+if __name__ == "__main__":
+    main()
