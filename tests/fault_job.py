@@ -7,13 +7,15 @@ appends, after every committed step, ``uid pid generation world_size step digest
 (the digest: a hash of the parameters' bytes). ``KILL`` = ``uid:step:point`` makes process ``uid`` kill
 itself with SIGKILL at attempt ``step`` (a committed-step count), at ``point``: ``forward``, ``backward``
 (from a gradient hook, buckets in flight), ``optimizer`` (after the step was committed, before it is
-applied), or ``boundary`` (before the step starts); ``raise`` makes it raise a communication failure inside
+applied), ``boundary`` (before the step starts), or ``save`` (inside ``save_checkpoint``, before its file
+replaces the last one: with ``FAULT_JOB_CHECKPOINT=path`` and ``FAULT_JOB_CHECKPOINT_EVERY=k``); ``raise`` makes it raise a communication failure inside
 the step without dying (the fail-at injection: every member discards the step, nobody is lost).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import signal
@@ -48,7 +50,10 @@ def main() -> None:
     kill_uid, kill_step, kill_point = (
         (sys.argv[3].split(":") + ["", "", ""])[:3] if len(sys.argv) > 3 else ("", "", "")
     )
-    pause_s = float(os.environ.get("FAULT_JOB_PAUSE_S", "0"))  # per step: time for a replacement to arrive
+    # per step, while fewer than FAULT_JOB_FULL_WORLD members train (every step without it): time for a
+    # replacement to start and be admitted, however slow the machine is
+    pause_s = float(os.environ.get("FAULT_JOB_PAUSE_S", "0"))
+    full_world = int(os.environ.get("FAULT_JOB_FULL_WORLD", "0"))
     try:
         ft = FaultTolerance(
             {"heartbeat_timeout_s": 5.0, "collective_timeout_s": 20.0, "join_timeout_s": 60.0}
@@ -73,6 +78,20 @@ def main() -> None:
                 injected.append(True)
                 raise CommunicationError(f"injected failure in process {me} at step {kill_step}")
 
+    checkpoint = os.environ.get("FAULT_JOB_CHECKPOINT")  # save every FAULT_JOB_CHECKPOINT_EVERY steps
+    every = int(os.environ.get("FAULT_JOB_CHECKPOINT_EVERY", "0"))
+    if checkpoint and os.environ.get("FAULT_JOB_RESUME") and ft.load_checkpoint(checkpoint):
+        with open(os.path.join(out_dir, f"{me}.resumed"), "w") as resumed:
+            print(ft.steps_committed, digest(net), file=resumed)
+    if kill_point == "save":  # killed inside save_checkpoint, before its file replaces the last one
+        real_replace = os.replace
+
+        def replace(source, target):
+            if me == kill_uid and ft.steps_committed == int(kill_step):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_replace(source, target)
+
+        os.replace = replace
     if kill_point == "backward":
         net[0].weight.register_hook(lambda g: (maybe_die("backward"), g)[1])
     with open(os.path.join(out_dir, f"{me}.log"), "a") as log:
@@ -87,7 +106,8 @@ def main() -> None:
             if outcome.committed:
                 maybe_die("optimizer")
                 optimizer.step()
-                time.sleep(pause_s)
+                if not full_world or ft.world_size < full_world:
+                    time.sleep(pause_s)
                 g = ft.generation
                 print(
                     me,
@@ -99,7 +119,11 @@ def main() -> None:
                     file=log,
                     flush=True,
                 )
+                if checkpoint and every and ft.steps_committed % every == 0:
+                    ft.save_checkpoint(checkpoint)
     print(f"{me} done: {ft.stats}", flush=True)
+    with open(os.path.join(out_dir, f"{me}.metrics.json"), "w") as metrics:  # what a logger would get
+        json.dump(ft.stats.metrics(), metrics, sort_keys=True)
     ft.close()
 
 

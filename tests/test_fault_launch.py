@@ -47,6 +47,22 @@ def _child(script: str, directory: Path) -> list[str]:
     return [sys.executable, "-c", PRELUDE + script, str(directory)]
 
 
+def two_nodes(
+    script: str, tmp_path: Path, linger_s: float
+) -> tuple[Supervisor, list[str], Supervisor, list[str]]:
+    """Two supervisors of one process each, emulating two machines: node 0 hosts the store, node 1 uses it;
+    each with the list its log lines go to."""
+    lines0: list[str] = []
+    lines1: list[str] = []
+    node0 = Supervisor(
+        _child(script, tmp_path), nproc=1, world_size=2, node_rank=0, linger_s=linger_s, log=lines0.append
+    )
+    node1 = Supervisor(
+        _child(script, tmp_path), nproc=1, port=node0.port, world_size=2, node_rank=1, log=lines1.append
+    )
+    return node0, lines0, node1, lines1
+
+
 def _reports(directory: Path) -> dict[str, dict]:
     return {p.stem: json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))}
 
@@ -294,3 +310,168 @@ def test_the_constructor_checks_its_arguments_before_opening_the_store() -> None
         Supervisor([sys.executable, "train.py"], nproc=1, replacements=-1)
     with pytest.raises(ValueError, match="training command is empty"):
         Supervisor([], nproc=1)
+
+
+# ------------------------------------------------------------------------------------- across machines
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--nproc", "1", "--store", "10.0.0.1:29400"], "--store needs --world-size"),
+        (["--nproc", "1", "--world-size", "3", "--store", "10.0.0.1:29400"], "--store needs --world-size"),
+        (
+            ["--nproc", "1", "--world-size", "3", "--node-rank", "3", "--store", "h:1"],
+            "node_rank must be in 0..2",
+        ),
+        (["--nproc", "1", "--world-size", "3", "--node-rank", "-1"], "node_rank must be in 0..2"),
+        (["--nproc", "1", "--world-size", "3", "--node-rank", "1"], "give --store HOST:PORT"),
+        (["--nproc", "1", "--world-size", "3", "--node-rank", "0", "--store", "h:1"], "drop --store there"),
+        (
+            ["--nproc", "1", "--world-size", "3", "--node-rank", "1", "--store", "h:1", "--port", "2"],
+            "drop them",
+        ),
+        (["--nproc", "3", "--world-size", "2", "--node-rank", "0"], "at least nproc=3, got 2"),
+        (["--nproc", "1", "--world-size", "3"], "world_size and node_rank go together"),
+        (["--nproc", "1", "--node-rank", "0"], "world_size and node_rank go together"),
+        (["--nproc", "1", "--world-size", "2", "--node-rank", "0", "--linger-s", "-1"], "linger_s must be"),
+    ],
+)
+def test_cli_multi_machine_argument_errors(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--", "train.py"])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("store", ["10.0.0.1", "10.0.0.1:", ":29400", "host:port", "host:70000", "host:0"])
+def test_cli_refuses_a_bad_store_address(store: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--nproc", "1", "--world-size", "2", "--node-rank", "1", "--store", store, "--", "train.py"])
+    assert "--store must be HOST:PORT, the address of node 0's machine and its store's port" in (
+        capsys.readouterr().err
+    )
+    assert launch._address("[::1]:29400") == ("::1", 29400) and launch._address("a.b:1") == ("a.b", 1)
+
+
+def test_the_constructor_checks_the_multi_machine_arguments() -> None:
+    with pytest.raises(
+        ValueError, match="node_rank 1 connects to the store of node 0: give that store's port"
+    ):
+        Supervisor([sys.executable, "train.py"], nproc=1, world_size=2, node_rank=1, port=0)
+    with pytest.raises(ValueError, match="node_rank must be in 0..1"):
+        Supervisor([sys.executable, "train.py"], nproc=1, world_size=2, node_rank=2, port=1)
+
+
+@pytest.mark.timeout(60)
+def test_an_unreachable_store_is_named(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Nothing listens at the address: the error names it, after the connect timeout."""
+    from tests.dist_utils import free_port
+
+    monkeypatch.setattr(launch, "CONNECT_TIMEOUT_S", 1.0)
+    port = free_port()
+    with pytest.raises(
+        ConnectionError, match=f"node 1 could not reach the store at 127.0.0.1:{port} within 1 s"
+    ):
+        Supervisor([sys.executable, "train.py"], nproc=1, world_size=2, node_rank=1, port=port)
+    argv = ["--nproc", "1", "--world-size", "2", "--node-rank", "1", "--store", f"127.0.0.1:{port}"]
+    assert main([*argv, "--", "train.py"]) == 1
+    assert f"could not reach the store at 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+# The first generation's record, as the members would write it (lightning_ddpx.fault.membership).
+MEMBERS = """
+def form_generation(store, members):
+    record = {"number": 1, "members": members, "previous": [], "joiners_consumed": len(members),
+              "reason": "start", "lost": []}
+    store.set("ft/gen/1/members", json.dumps(record))
+    store.set("ft/latest_gen", "1")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_node_0_keeps_the_store_up_until_the_other_machines_processes_exit(tmp_path: Path) -> None:
+    """Two supervisors on one store: node-prefixed uids, the run's world size, node 1's loss recorded in
+    node 0's store by node 1's supervisor, and node 0 returning only after that (its own child exited long
+    before)."""
+    script = (
+        MEMBERS
+        + """
+store = connect()
+env = {k: v for k, v in os.environ.items() if k in ("DDPX_FT_UID", "DDPX_FT_INITIAL_WORLD_SIZE")}
+if uid == "n0-00000":
+    form_generation(store, ["n0-00000", "n1-00000"])
+    report(env=env)
+else:
+    store.wait(["ft/latest_gen"])
+    time.sleep(2)  # node 0's child is gone by now: the store must still be there
+    report(env=env, late=int(store.add("test/late", 1)))  # an add raises if the store is gone
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+    )
+    node0, lines0, node1, lines1 = two_nodes(script, tmp_path, linger_s=30)
+    codes: dict[str, int] = {}
+    thread = threading.Thread(target=lambda: codes.update(node1=node1.run()), daemon=True)
+    thread.start()
+    try:
+        started = time.monotonic()
+        assert node0.run() == 0
+        assert time.monotonic() - started < 25  # it waited for the exit, not for linger_s
+    finally:
+        node1.stop()
+        thread.join(timeout=30)
+    assert codes == {"node1": 1}  # its only process was killed
+    reports = _reports(tmp_path)
+    assert reports["n0-00000"]["env"] == {"DDPX_FT_UID": "n0-00000", "DDPX_FT_INITIAL_WORLD_SIZE": "2"}
+    assert reports["n1-00000"] == {
+        "env": {"DDPX_FT_UID": "n1-00000", "DDPX_FT_INITIAL_WORLD_SIZE": "2"},
+        "late": 1,
+    }
+    assert "--world-size 2 --node-rank R --store <this machine's address>:" in lines0[1]
+    assert any("keeping the store up for n1-00000" in line for line in lines0)
+    assert not any("still not exited" in line for line in lines0)
+    assert f"connected to the store at 127.0.0.1:{node0.port}" in lines1[0]
+    assert any("process n1-00000 (pid" in line and "lost: killed by SIGKILL" in line for line in lines1)
+    assert node1.uids_lost == ["n1-00000"]
+
+
+@pytest.mark.timeout(60)
+def test_node_0_releases_the_store_after_linger_s_and_node_1_goes_on_without_it(tmp_path: Path) -> None:
+    """Node 1's process outlives node 0's linger: node 0 returns after ``linger_s``; node 1's supervisor
+    cannot record the exit any more, says so, and still returns its process's code. (The process fails: a
+    lost store shows on the dead count's ``add``; a ``set`` is sent without waiting for a reply.)"""
+    script = (
+        MEMBERS
+        + """
+store = connect()
+if uid == "n0-00000":
+    form_generation(store, ["n0-00000", "n1-00000"])
+else:
+    store.wait(["ft/latest_gen"])
+    while not (out / "go").exists():  # written once node 0 returned
+        time.sleep(0.05)
+    sys.exit(3)
+"""
+    )
+    node0, lines0, node1, lines1 = two_nodes(script, tmp_path, linger_s=0.5)
+    codes: dict[str, int] = {}
+    thread = threading.Thread(target=lambda: codes.update(node1=node1.run()), daemon=True)
+    thread.start()
+    try:
+        assert node0.run() == 0
+        (tmp_path / "go").write_text("")
+        thread.join(timeout=30)
+    finally:
+        node1.stop()
+        thread.join(timeout=30)
+    assert codes == {"node1": 3}
+    assert any(
+        "n1-00000 still not exited after linger_s=0.5 s: releasing the store" in line for line in lines0
+    )
+    assert any(
+        f"the store at 127.0.0.1:{node0.port} is gone" in line and "n1-00000's exit is not recorded" in line
+        for line in lines1
+    )

@@ -10,6 +10,7 @@ What every test checks, from the per-process logs the job writes after each comm
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections import defaultdict
@@ -32,11 +33,15 @@ def run_fault_job(
     steps: int = STEPS,
     pause_s: float = 0.0,
     hook: str = "",
+    nproc: int = 3,
+    logs: str = "logs",
+    **extra_env: str,
 ):
-    out = tmp_path / "logs"
+    out = tmp_path / logs
     out.mkdir()
-    argv = [*LAUNCH, "--replacements", str(replacements), "--", "tests/fault_job.py", str(out), str(steps)]
-    env = job_env(FAULT_JOB_PAUSE_S=str(pause_s), DDPX_SHARED_MEMORY="0", FAULT_JOB_HOOK=hook)
+    launch = [*LAUNCH[:-1], str(nproc), "--replacements", str(replacements)]
+    argv = [*launch, "--", "tests/fault_job.py", str(out), str(steps)]
+    env = job_env(FAULT_JOB_PAUSE_S=str(pause_s), DDPX_SHARED_MEMORY="0", FAULT_JOB_HOOK=hook, **extra_env)
     try:
         done = run_job(argv + ([kill] if kill else []), timeout=180, env=env)
     finally:
@@ -107,19 +112,41 @@ def test_a_killed_member_does_not_end_the_run(tmp_path, victim, point):
 
 
 def test_a_replacement_heals_from_a_live_peer_after_rank_0_is_killed(tmp_path):
-    done, logs = run_fault_job(tmp_path, kill="00000:3:backward", replacements=1, steps=24, pause_s=0.25)
+    done, logs = run_fault_job(
+        tmp_path, kill="00000:3:backward", replacements=1, steps=24, pause_s=1.0, FAULT_JOB_FULL_WORLD="3"
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert_consistent(logs, ["00001", "00002"], steps=24)
     assert "started process 00003" in done.stderr
     newcomer = logs["00003"]  # healed to the survivors' bits (checked above), then trained with them
     assert newcomer and newcomer[-1][3] == 24 and {row[2] for row in newcomer} == {3}
     assert "healed 00003 from 00001" in done.stderr and "replicas verified" in done.stderr
+    # what a logger gets, per member: the membership now, the failures so far, what they cost
+    metrics = {
+        path.name.split(".")[0]: json.loads(path.read_text())
+        for path in (tmp_path / "logs").glob("*.metrics.json")
+    }
+    assert set(metrics) == {"00001", "00002", "00003"}
+    survivor = metrics["00001"]
+    assert survivor["fault_tolerance/world_size"] == 3 and survivor["fault_tolerance/generation"] == 3
+    assert survivor["fault_tolerance/failures"] == 1 and survivor["fault_tolerance/members_lost"] == 1
+    assert survivor["fault_tolerance/newcomers_healed"] == 1
+    assert (
+        0 < survivor["fault_tolerance/last_recovery_s"] < 5
+        and 0 < survivor["fault_tolerance/last_heal_s"] < 5
+    )
 
 
 @pytest.mark.parametrize("hook", ["fp16", "bf16"])
 def test_a_stateless_hook_follows_the_new_membership(tmp_path, hook):
     done, logs = run_fault_job(
-        tmp_path, kill="00002:3:backward", replacements=1, steps=16, pause_s=0.25, hook=hook
+        tmp_path,
+        kill="00002:3:backward",
+        replacements=1,
+        steps=16,
+        pause_s=1.0,
+        hook=hook,
+        FAULT_JOB_FULL_WORLD="3",
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert_consistent(logs, ["00000", "00001"], steps=16)
@@ -158,3 +185,65 @@ def test_what_cannot_survive_a_membership_change_is_refused_by_name_before_the_f
         assert f"refused: lightning_ddpx fault tolerance: comm_hook {name!r} is not supported" in done.stdout
     assert "the supported hooks are ['allreduce', 'bf16', 'fp16', 'noop']" in done.stdout
     assert "refused: lightning_ddpx fault tolerance: the optimizer overlap" in done.stdout
+
+
+def test_checkpoints_survive_their_writer_killed_mid_save_and_resume_at_another_world_size(tmp_path):
+    checkpoint = tmp_path / "run.ckpt"
+    saving = {"FAULT_JOB_CHECKPOINT": str(checkpoint), "FAULT_JOB_CHECKPOINT_EVERY": "4"}
+    # rank 0 writes; it is killed inside its save at step 8, after the step was applied everywhere
+    done, first = run_fault_job(tmp_path, kill="00000:8:save", **saving)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_consistent(first, ["00001", "00002"])
+    assert [row[3] for row in first["00000"]] == [1, 2, 3, 4, 5, 6, 7, 8]
+    # the survivors' new rank 0 (00001) wrote step 12's checkpoint and removed the killed writer's partial file
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("run.ckpt")) == ["run.ckpt"]
+    # a new run of two processes resumes from it: step 12's bits, then steps 13-16 at world size 2
+    done, second = run_fault_job(tmp_path, steps=16, nproc=2, logs="resumed", FAULT_JOB_RESUME="1", **saving)
+    assert done.returncode == 0, done.stderr[-3000:]
+    step_12 = first["00001"][11][4]
+    assert (tmp_path / "resumed" / "00000.resumed").read_text().split() == ["12", step_12]
+    assert "resumed from" in done.stderr and "saved by a generation of 2 rank(s); now 2" in done.stderr
+    for uid in ("00000", "00001"):
+        assert [row[3] for row in second[uid]] == [13, 14, 15, 16]
+    assert second["00000"][-1][4] == second["00001"][-1][4]
+
+
+def _module_seams(rank: int, world_size: int) -> dict:
+    """The module's two seams for fault tolerance, on a real group: how long a failing rank waits for the
+    others' reports (kept across a new reducer), and a released group refused by name until a new one."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from lightning_ddpx import DistributedDataParallel
+
+    model = DistributedDataParallel(nn.Linear(2, 2))
+    seen = {"default": model.reducer.progress.final_grace_s}
+    model.failure_report_wait_s = 0
+    seen["set"] = model.reducer.progress.final_grace_s
+    for wrong in (-1, True, "0"):
+        try:
+            model.failure_report_wait_s = wrong
+        except (TypeError, ValueError) as error:
+            seen.setdefault("refused", []).append(f"{type(error).__name__}: {error}")
+    model.release_process_group()
+    try:
+        _ = model.reducer
+    except RuntimeError as error:
+        seen["released"] = str(error)
+    model.use_process_group(dist.new_group(list(range(world_size))))
+    seen["after_new_group"] = model.reducer.progress.final_grace_s
+    model(torch.ones(1, 2)).sum().backward()  # it reduces on the new group
+    model.close()
+    return seen
+
+
+def test_the_modules_fault_tolerance_seams_keep_their_settings_and_refuse_a_released_group():
+    from tests.dist_utils import run_distributed
+
+    seen = run_distributed(_module_seams, 2)[0]
+    assert seen["default"] == 1.0 and seen["set"] == 0.0 and seen["after_new_group"] == 0.0
+    negative, a_bool, text = seen["refused"]
+    assert negative.startswith("ValueError") and "failure_report_wait_s must be seconds >= 0" in negative
+    assert a_bool.startswith("TypeError") and text.startswith("TypeError") and "a number of seconds" in text
+    assert "released its process group" in seen["released"] and "use_process_group()" in seen["released"]

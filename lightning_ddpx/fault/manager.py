@@ -30,9 +30,13 @@ What happens when a member is lost (docs/fault-tolerance.md):
 from __future__ import annotations
 
 import contextlib
+import gc
+import glob
 import io
 import logging
+import os
 import time
+import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Iterator
@@ -62,7 +66,7 @@ class StepOutcome:
     """What :meth:`FaultTolerance.step` decided for one step."""
 
     committed: bool = False  # every member's collectives succeeded: apply the step
-    error: BaseException | None = None  # this member's failure, if it had one
+    error: str | None = None  # this member's failure, if it had one (its first line)
 
 
 @dataclass
@@ -77,6 +81,22 @@ class FaultToleranceStats:
     last_recovery_s: float | None = None  # from a failed step to the next committed one
     last_heal_s: float | None = None  # a newcomer's state sent, received and verified
     events: list[str] = field(default_factory=list)
+
+    def metrics(self) -> dict[str, float]:
+        """The figures as scalars for a logger (``logger.log_metrics(ft.stats.metrics(), step)``), under
+        ``fault_tolerance/``; the two durations only once measured."""
+        figures: dict[str, float] = {
+            "fault_tolerance/generation": float(self.generation),
+            "fault_tolerance/world_size": float(self.world_size),
+            "fault_tolerance/failures": float(self.failures),
+            "fault_tolerance/members_lost": float(self.members_lost),
+            "fault_tolerance/newcomers_healed": float(self.newcomers_healed),
+        }
+        if self.last_recovery_s is not None:
+            figures["fault_tolerance/last_recovery_s"] = self.last_recovery_s
+        if self.last_heal_s is not None:
+            figures["fault_tolerance/last_heal_s"] = self.last_heal_s
+        return figures
 
 
 class FaultTolerance:
@@ -162,6 +182,7 @@ class FaultTolerance:
                 "steps that a membership change would have to carry, and are refused rather than half-working."
             )
         self.model = DistributedDataParallel(module, init_sync=False, **ddp_options)
+        self.model.failure_report_wait_s = 0.0  # a lost rank writes no final record: do not wait for one
         if comm_hook is not None:
             self._hook = build_comm_hook(comm_hook, wrapper=comm_wrapper)
             self.model.register_comm_hook(*self._hook)
@@ -200,7 +221,10 @@ class FaultTolerance:
             if not _is_communication_failure(error):
                 self._abandon_step()  # the others must not wait for this member's vote
                 raise
-            outcome.error = error
+            outcome.error = _first_line(error)  # text only: the traceback would keep the old group alive
+            _forget_frames(error)  # ... and so would the finished frames it holds (the reducer's, backward's)
+            del error
+            self._release_group()  # peers still blocked on this member in the failed step fail at once
         self._attempt += 1
         decision = vote(self.store, self.membership, self.generation, self._attempt, outcome.error is None)
         outcome.committed = decision != ABORT
@@ -217,9 +241,20 @@ class FaultTolerance:
             cause = outcome.error if outcome.error is not None else "a member was lost before voting"
             self._note(
                 f"step {self.steps_committed} discarded on every member of generation "
-                f"{self.generation.number} ({_first_line(cause)}); it is retried by the survivors"
+                f"{self.generation.number} ({cause}); it is retried by the survivors"
             )
             self._pending = f"step {self.steps_committed} failed"
+
+    def _release_group(self) -> None:
+        """Destroy the current group now that this member's step failed: in a ring all-reduce a survivor may
+        be waiting for data from another survivor that has already left the step; once the group's last
+        reference is gone its connections close, and that receive fails at once instead of after the
+        collective timeout (``ProcessGroup.abort()`` does not close gloo's). Rebuilt at the next boundary."""
+        assert self.model is not None
+        self.model.release_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()  # a reference cycle through a failed future must not keep the connections open
 
     def _abandon_step(self) -> None:
         """An error of the user's inside :meth:`step`: vote ``abort`` so that the others discard the step and
@@ -256,8 +291,11 @@ class FaultTolerance:
                 if not _is_communication_failure(error):
                     raise
                 self._pending = f"a member was lost while the membership changed ({_first_line(error)})"
+                _forget_frames(error)  # its frames would keep the failed group's connections open
 
     def _regroup(self, reason: str) -> None:
+        assert self.model is not None
+        self.model.release_process_group()  # the old group's connections close when it is destroyed
         current = self.generation
         while True:
             generation = self.membership.next_generation(current, reason)
@@ -318,35 +356,93 @@ class FaultTolerance:
                 f"({len(state) / 2**20:.1f} MiB); replicas verified"
             )
 
-    def _state(self) -> bytes:
-        assert self.model is not None
-        buffer = io.BytesIO()
-        torch.save(
-            {
-                "module": self.model.module.state_dict(),
-                "tracked": [obj.state_dict() for obj in self._tracked],
-                "steps_committed": self.steps_committed,
-            },
-            buffer,
-        )
-        return buffer.getvalue()
+    # ---------------------------------------------------------------------------------- the state
+    def state_dict(self) -> dict[str, Any]:
+        """What a newcomer receives and a checkpoint holds: the module's parameters and buffers, every
+        tracked object's state, the step counter, and (for the record) the membership that saved it."""
+        assert self.model is not None, "call wrap(module) first"
+        return {
+            "module": self.model.module.state_dict(),
+            "tracked": [obj.state_dict() for obj in self._tracked],
+            "steps_committed": self.steps_committed,
+            "membership": {"generation": self.generation.number, "world_size": self.world_size},
+        }
 
-    def _load(self, data: bytes) -> None:
-        assert self.model is not None
-        state = torch.load(io.BytesIO(data), weights_only=True)
+    def load_state_dict(self, state: dict[str, Any], source: str = "the live peer") -> None:
+        """Load :meth:`state_dict`'s output (``source`` names where it came from, for errors)."""
+        assert self.model is not None, "call wrap(module) first"
         if len(state["tracked"]) != len(self._tracked):
             raise FaultToleranceError(
-                f"lightning_ddpx fault tolerance: the live peer tracks {len(state['tracked'])} object(s) and "
-                f"this newcomer {len(self._tracked)}: call track() with the same objects on every process."
+                f"lightning_ddpx fault tolerance: {source} tracks {len(state['tracked'])} object(s) and this "
+                f"process {len(self._tracked)}: call track() with the same objects on every process."
             )
         self.model.module.load_state_dict(state["module"])
         for obj, obj_state in zip(self._tracked, state["tracked"]):
             obj.load_state_dict(obj_state)
         self.steps_committed = int(state["steps_committed"])
 
+    def save_checkpoint(self, path: str | os.PathLike) -> bool:
+        """Write :meth:`state_dict` to ``path`` if this process is rank 0 of the current generation (whichever
+        process that is after a loss); returns whether it wrote. Atomic: written beside ``path`` and renamed,
+        so a writer killed mid-save leaves the previous checkpoint whole (its partial file is removed by the
+        next save). Between steps, on every process alike (no collective)."""
+        if self.rank != 0:
+            return False
+        target = os.fspath(path)
+        directory = os.path.dirname(os.path.abspath(target))
+        for stale in glob.glob(glob.escape(target) + ".partial-*"):  # a killed writer's
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(stale)
+        partial = f"{target}.partial-{self.uid}"
+        torch.save(self.state_dict(), partial)
+        os.replace(partial, target)
+        with contextlib.suppress(OSError):  # the rename durable where the platform allows
+            descriptor = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
+        return True
+
+    def load_checkpoint(self, path: str | os.PathLike) -> bool:
+        """Resume from :meth:`save_checkpoint`'s file, at any world size: call after :meth:`wrap` and
+        :meth:`track`, before the first :meth:`step`, on every process. Only rank 0 of the run's first
+        generation reads it; the first step hands its state to every other member (and a replacement admitted
+        later is healed from the survivors, never from the file). Returns whether this process loaded it."""
+        if not (self._heal_due and self.generation.number == 1 and self.rank == 0):
+            return False
+        state = torch.load(os.fspath(path), weights_only=True)
+        self.load_state_dict(state, source=f"the checkpoint {os.fspath(path)!r}")
+        saved = state.get("membership", {})
+        self._note(
+            f"resumed from {os.fspath(path)!r} at step {self.steps_committed} (saved by a generation of "
+            f"{saved.get('world_size', '?')} rank(s); now {self.world_size})"
+        )
+        return True
+
+    def _state(self) -> bytes:
+        buffer = io.BytesIO()
+        torch.save(self.state_dict(), buffer)
+        return buffer.getvalue()
+
+    def _load(self, data: bytes) -> None:
+        self.load_state_dict(torch.load(io.BytesIO(data), weights_only=True))
+
     def _note(self, message: str) -> None:
         self.stats.events.append(message)
         log.warning("lightning_ddpx fault tolerance (process %s): %s", self.uid, message)
+
+
+def _forget_frames(error: BaseException) -> None:
+    """Clear the locals of the finished frames in ``error``'s tracebacks (its causes' too): while the error is
+    handled, the context manager machinery still holds it, and those frames (the reducer's, the failed
+    collective's) would keep the failed group, and its open connections, alive until the handling ends."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if error.__traceback__ is not None:
+            traceback.clear_frames(error.__traceback__)  # skips frames still running (the caller's)
+        error = error.__cause__ or error.__context__  # type: ignore[assignment]
 
 
 def _refuse_unsupported(model: DistributedDataParallel, hook_from_wrap: bool) -> None:

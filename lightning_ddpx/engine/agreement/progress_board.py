@@ -69,6 +69,9 @@ class ProgressBoard:
         self._writer: _Writer | None = None
         self._writer_lock = threading.Lock()  # starting and idle-ending the writer
         self._closed = False
+        # how long a rank whose collective failed waits for the others' final records before raising
+        # (DistributedDataParallel.failure_report_wait_s; fault tolerance sets 0: a lost rank writes none)
+        self.final_grace_s = _FINAL_GRACE_S
         weakref.finalize(self, self._wake.set)  # a collected board ends its writer
         _BOARDS[id(process_group)] = self
 
@@ -224,7 +227,7 @@ def peer_report(process_group: dist.ProcessGroup | None) -> str | None:
     """What the other ranks last did, for a communication error on ``process_group`` (``None``: unknown)."""
     group = process_group if process_group is not None else dist.group.WORLD
     board = _BOARDS.get(id(group))
-    return board.report() if board is not None else None
+    return board.report(board.final_grace_s) if board is not None else None
 
 
 def _store_of(process_group: dist.ProcessGroup) -> dist.Store | None:

@@ -140,6 +140,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     """
 
     _averaging: BoundAveraging | None = None  # the hook's parameter averaging, once registered
+    _failure_report_wait_s = 1.0  # see failure_report_wait_s
 
     def __init__(
         self,
@@ -257,6 +258,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             usage_log=self._usage_log,
         )
         reducer.before_reduction = weakly(self.verify_settings)  # held weakly: no cycle to collect
+        reducer.progress.final_grace_s = self._failure_report_wait_s
         return reducer
 
     def use_process_group(
@@ -297,6 +299,38 @@ class DistributedDataParallel(nn.Module, Joinable):
         if comm_hook is not None:
             self.register_comm_hook(*comm_hook)
 
+    def release_process_group(self) -> None:
+        """Drop every reference this module holds to its process group (the reducer with it), so that
+        destroying the group closes this rank's connections at once: a fault-tolerant member whose step
+        failed does this, and a peer still blocked on it in the failed collective fails immediately instead
+        of after the group's timeout. Nothing synchronises until :meth:`use_process_group` gives a new group."""
+        if self._reducer is not None:
+            self._reducer.close()
+            self._reducer = None
+        self.process_group = None  # type: ignore[assignment]
+
+    @property
+    def failure_report_wait_s(self) -> float:
+        """How long a rank whose collective failed waits for the other ranks' final progress records before
+        raising, so that its error can say what they were doing (1 s). Fault tolerance sets 0: a lost rank
+        writes none, and the survivors must go on at once."""
+        return self._failure_report_wait_s
+
+    @failure_report_wait_s.setter
+    def failure_report_wait_s(self, seconds: float) -> None:
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+            raise TypeError(
+                "lightning_ddpx.DistributedDataParallel: failure_report_wait_s must be a number of seconds, got "
+                f"{seconds!r} ({type(seconds).__name__})."
+            )
+        if not seconds >= 0:
+            raise ValueError(
+                f"lightning_ddpx.DistributedDataParallel: failure_report_wait_s must be seconds >= 0, got {seconds!r}."
+            )
+        self._failure_report_wait_s = float(seconds)
+        if self._reducer is not None:
+            self._reducer.progress.final_grace_s = self._failure_report_wait_s
+
     def synced_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The module's parameters this module synchronises: all but those torch's ignore list names."""
         return [(n, p) for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore]
@@ -321,6 +355,11 @@ class DistributedDataParallel(nn.Module, Joinable):
     @property
     def reducer(self) -> Reducer:
         """This module's reducer; after unpickling, built at first use (forward, ``no_sync``, a hook...)."""
+        if self._reducer is None and self.process_group is None:
+            raise RuntimeError(
+                "lightning_ddpx: this module released its process group (a fault-tolerant member's step "
+                "failed); it synchronises again once use_process_group() gives it the new membership's group."
+            )
         if self._reducer is None:
             self._reducer = self._new_reducer()
         return self._reducer
