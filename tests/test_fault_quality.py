@@ -25,12 +25,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 GAP_TOLERANCE = 0.02
 
 
-def test_a_run_that_loses_rank_0_and_heals_ends_within_2_percent_of_the_uninterrupted_run(tmp_path):
-    out = tmp_path / "fault_quality.json"
-    argv = [sys.executable, "benchmarks/bench_fault_quality.py", "--quick", "--victims", "rank0"]
-    done = run_job([*argv, "--json", str(out), "--timeout", "150"], timeout=360, env=job_env(), cwd=REPO_ROOT)
+@pytest.fixture(scope="module")
+def quick_runs(tmp_path_factory) -> dict:
+    """One uninterrupted run and one per victim (rank 0, the middle rank), shared by the tests below."""
+    out = tmp_path_factory.mktemp("quality") / "fault_quality.json"
+    argv = [sys.executable, "benchmarks/bench_fault_quality.py", "--quick", "--victims", "rank0,middle"]
+    done = run_job([*argv, "--json", str(out), "--timeout", "150"], timeout=380, env=job_env(), cwd=REPO_ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    saved = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_a_run_that_loses_rank_0_and_heals_ends_within_2_percent_of_the_uninterrupted_run(quick_runs):
+    saved = quick_runs
     base, killed = saved["runs"]["0"]["uninterrupted"], saved["runs"]["0"]["rank0"]
 
     # the interrupted run really lost rank 0 and healed its replacement: the launcher's and the members' lines
@@ -51,14 +57,10 @@ def test_a_run_that_loses_rank_0_and_heals_ends_within_2_percent_of_the_uninterr
     assert base["final_val_loss"] < 1.5  # trained: chance is ln 10 = 2.30
 
 
-def test_no_survivor_waits_out_the_collective_timeout_when_the_middle_rank_is_lost(tmp_path):
+def test_no_survivor_waits_out_the_collective_timeout_when_the_middle_rank_is_lost(quick_runs):
     # In a ring all-reduce one survivor fails at once and the other waits on it; before failed members closed
     # their connections, that one waited the whole collective timeout (10 s in the job) in 5 of 6 runs.
-    out = tmp_path / "fault_quality.json"
-    argv = [sys.executable, "benchmarks/bench_fault_quality.py", "--quick", "--victims", "middle"]
-    done = run_job([*argv, "--json", str(out), "--timeout", "150"], timeout=360, env=job_env(), cwd=REPO_ROOT)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    killed = json.loads(out.read_text())["runs"]["0"]["middle"]
+    killed = quick_runs["runs"]["0"]["middle"]
     log = "\n".join(killed["fault_tolerance_log"])
     assert "lost: killed by SIGKILL" in log and "discarded on every member" in log, log
     assert "no peer answered" not in log, log

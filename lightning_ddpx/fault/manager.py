@@ -14,8 +14,9 @@
 What happens when a member is lost (docs/fault-tolerance.md):
 
 1. The survivors' collectives fail (a dead peer's connection closes at once; a silent one after
-   ``collective_timeout_s``); :meth:`FaultTolerance.step` catches the failure and votes ``abort``
-   (:mod:`~lightning_ddpx.fault.commit`). No member applies the step, whatever it saw.
+   ``collective_timeout_s``); :meth:`FaultTolerance.step` catches the failure, destroys its group (so a
+   survivor still waiting on it fails at once too) and votes ``abort`` (:mod:`~lightning_ddpx.fault.commit`).
+   No member applies the step, whatever it saw.
 2. At the next step boundary the survivors agree on the next generation
    (:mod:`~lightning_ddpx.fault.membership`), build a new default process group on the launcher's store
    (``ft/gen/<n>/pg/``), and move the module onto it (``use_process_group``).
