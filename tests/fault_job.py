@@ -64,7 +64,8 @@ def main() -> None:
     torch.manual_seed(0 if not ft.launch.replacement else 1234)  # a newcomer starts from other values
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     hook = os.environ.get("FAULT_JOB_HOOK") or None  # e.g. "fp16"
-    model = ft.wrap(net, bucket_cap_mb=0.0001, comm_hook=hook)
+    options = json.loads(os.environ.get("FAULT_JOB_DDP_OPTIONS") or "{}")  # e.g. {"static_graph": true}
+    model = ft.wrap(net, bucket_cap_mb=0.0001, comm_hook=hook, **options)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ft.track(optimizer)
 

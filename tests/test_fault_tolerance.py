@@ -137,6 +137,23 @@ def test_a_replacement_heals_from_a_live_peer_after_rank_0_is_killed(tmp_path):
     )
 
 
+@pytest.mark.parametrize("options", [{"static_graph": True}, {"find_unused_parameters": True}], ids=str)
+def test_the_modules_options_follow_the_new_membership(tmp_path, options):
+    # a new reducer per generation: static_graph records again, the used-parameter bitmap over the new group
+    done, logs = run_fault_job(
+        tmp_path,
+        kill="00001:3:backward",
+        replacements=1,
+        steps=16,
+        pause_s=1.0,
+        FAULT_JOB_FULL_WORLD="3",
+        FAULT_JOB_DDP_OPTIONS=json.dumps(options),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_consistent(logs, ["00000", "00002"], steps=16)
+    assert "healed 00003 from 00000" in done.stderr and logs["00003"][-1][3] == 16
+
+
 @pytest.mark.parametrize("hook", ["fp16", "bf16"])
 def test_a_stateless_hook_follows_the_new_membership(tmp_path, hook):
     done, logs = run_fault_job(
