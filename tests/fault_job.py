@@ -8,7 +8,9 @@ appends, after every committed step, ``uid pid generation world_size step digest
 itself with SIGKILL at attempt ``step`` (a committed-step count), at ``point``: ``forward``, ``backward``
 (from a gradient hook, buckets in flight), ``optimizer`` (after the step was committed, before it is
 applied), ``boundary`` (before the step starts), or ``save`` (inside ``save_checkpoint``, before its file
-replaces the last one: with ``FAULT_JOB_CHECKPOINT=path`` and ``FAULT_JOB_CHECKPOINT_EVERY=k``); ``raise`` makes it raise a communication failure inside
+replaces the last one: with ``FAULT_JOB_CHECKPOINT=path`` and ``FAULT_JOB_CHECKPOINT_EVERY=k``), or
+``stall`` (stopped with SIGSTOP mid-backward, silent rather than dead, and resumed ``FAULT_JOB_STALL_S``
+seconds later); ``raise`` makes it raise a communication failure inside
 the step without dying (the fail-at injection: every member discards the step, nobody is lost).
 """
 
@@ -19,6 +21,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -56,7 +59,11 @@ def main() -> None:
     full_world = int(os.environ.get("FAULT_JOB_FULL_WORLD", "0"))
     try:
         ft = FaultTolerance(
-            {"heartbeat_timeout_s": 5.0, "collective_timeout_s": 20.0, "join_timeout_s": 60.0}
+            {
+                "heartbeat_timeout_s": float(os.environ.get("FAULT_JOB_HEARTBEAT_S", "5")),
+                "collective_timeout_s": float(os.environ.get("FAULT_JOB_COLLECTIVE_S", "20")),
+                "join_timeout_s": 60.0,
+            }
         )
     except RunEnded:
         return  # a replacement that arrived after the last step
@@ -72,6 +79,14 @@ def main() -> None:
     injected = []
 
     def maybe_die(point: str) -> None:
+        if me == kill_uid and point == kill_point == "stall" and ft.steps_committed == int(kill_step):
+            # silent, not dead: stopped (its heartbeat thread too), resumed later by a detached sleeper
+            resume_after = os.environ.get("FAULT_JOB_STALL_S", "8")
+            subprocess.Popen(
+                ["sh", "-c", f"sleep {resume_after}; kill -CONT {os.getpid()}"], start_new_session=True
+            )
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return
         if me == kill_uid and point == kill_point and ft.steps_committed == int(kill_step):
             os.kill(os.getpid(), signal.SIGKILL)
         if me == kill_uid and kill_point == "raise" and point == "forward" and not injected:
@@ -93,8 +108,8 @@ def main() -> None:
             return real_replace(source, target)
 
         os.replace = replace
-    if kill_point == "backward":
-        net[0].weight.register_hook(lambda g: (maybe_die("backward"), g)[1])
+    if kill_point in ("backward", "stall"):
+        net[0].weight.register_hook(lambda g: (maybe_die(kill_point), g)[1])
     with open(os.path.join(out_dir, f"{me}.log"), "a") as log:
         while ft.steps_committed < steps:
             maybe_die("boundary")

@@ -111,6 +111,26 @@ def test_a_killed_member_does_not_end_the_run(tmp_path, victim, point):
     assert {row[2] for uid in survivors for row in logs[uid][-3:]} == {2}
 
 
+def test_a_silent_member_is_left_behind_after_the_timeouts_chosen_and_stops_when_it_wakes(tmp_path):
+    # stopped mid-backward: its connections stay open, so the survivors' collective fails only after
+    # collective_timeout_s (3 s), and it is lost once its heartbeat has not moved for heartbeat_timeout_s (2 s)
+    done, logs = run_fault_job(
+        tmp_path,
+        kill="00001:4:stall",
+        steps=STEPS,
+        FAULT_JOB_COLLECTIVE_S="3",
+        FAULT_JOB_HEARTBEAT_S="2",
+        FAULT_JOB_STALL_S="10",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]  # the survivors finished
+    assert_consistent(logs, ["00000", "00002"])
+    assert "no peer answered within 3 s" in done.stderr
+    assert "lost 00001: no heartbeat for" in done.stderr
+    # resumed after the others regrouped: it learns it was left out and stops (the launcher records its exit)
+    assert "process 00001 was left out of generation 2" in done.stderr
+    assert [row[3] for row in logs["00001"]] == [1, 2, 3, 4]
+
+
 def test_a_replacement_heals_from_a_live_peer_after_rank_0_is_killed(tmp_path):
     done, logs = run_fault_job(
         tmp_path, kill="00000:3:backward", replacements=1, steps=24, pause_s=1.0, FAULT_JOB_FULL_WORLD="3"
