@@ -173,7 +173,7 @@ def test_a_joiner_not_admitted_in_time_is_told_why(server):
         ({"min_ranks": 1.5}, TypeError, "min_ranks"),
         ({"heartbeat_timeout_s": "10"}, TypeError, "heartbeat_timeout_s must be a number"),
         ({"join_timeout_s": 0}, ValueError, "join_timeout_s must be > 0"),
-        ({"replacements": 1}, ValueError, r"unknown option\(s\) \['replacements'\]; the options are"),
+        ({"replacement": 1}, ValueError, r"unknown option\(s\) \['replacement'\]; the options are"),
         ("yes", TypeError, "fault_tolerance must be True/False"),
     ],
 )

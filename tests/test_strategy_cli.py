@@ -99,7 +99,11 @@ def test_every_shipped_config_builds_its_strategy(config, cli_train, monkeypatch
     )
     strategy = cli.trainer.strategy
     assert isinstance(strategy, DDPXStrategy)
-    assert strategy.hook_name == {"fp16_powersgd": "fp16(powersgd)"}.get(config.stem, config.stem)
+    expected = {"fp16_powersgd": "fp16(powersgd)", "fault_tolerance": "allreduce"}
+    assert strategy.hook_name == expected.get(config.stem, config.stem)
+    if config.stem == "fault_tolerance":
+        assert strategy.fault_tolerance.replacements == 1
+        assert strategy.fault_tolerance.heartbeat_timeout_s == 10.0
     if "powersgd" in config.stem:
         assert strategy.powersgd.matrix_approximation_rank == 4
     if config.stem == "post_local_sgd":

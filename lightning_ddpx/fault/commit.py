@@ -9,8 +9,8 @@ is written, once, by ``compare_set`` (the first writer wins, everyone reads the 
 - the member whose ``ok`` vote completes the count writes ``commit`` (``commit+admit`` when newcomers wait
   in the joiner log: the members admit them at the next step boundary);
 - a member waiting for the decision looks, every ``POLL_S``, for a lost member (the launcher's mark, a
-  stalled heartbeat) and writes ``abort`` if it finds one: a rank that died after its collectives but
-  before voting.
+  stalled heartbeat) or one already waiting for the next generation (a failure between steps that only it
+  saw), and writes ``abort`` if it finds one: a rank that died after its collectives but before voting.
 
 A commit therefore means every member's vote was ``ok``: no rank applies a half-reduced update. It costs a
 member three store round trips per step (``add``, ``wait``, ``get``).
@@ -45,6 +45,6 @@ def vote(store: Any, membership: Membership, generation: Generation, attempt: in
             store.wait([decision_key], timedelta(seconds=POLL_S))
             return store.get(decision_key).decode()
         except RuntimeError:  # not decided yet: a member may have died before voting
-            lost = membership.any_lost(generation.members)
+            lost = membership.any_lost(generation.members) or membership.moved_on(generation)
             if lost is not None:
                 return store.compare_set(decision_key, "", ABORT).decode()

@@ -40,7 +40,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -57,6 +57,8 @@ from lightning_ddpx.hooks.registry import build_comm_hook
 __all__ = ["SUPPORTED_HOOKS", "FaultTolerance", "FaultToleranceStats", "RunEnded", "StepOutcome"]
 
 log = logging.getLogger("lightning_ddpx.fault")
+
+_Result = TypeVar("_Result")
 
 # Hooks whose only state is the default process group, which each membership rebuilds.
 SUPPORTED_HOOKS = ("allreduce", "bf16", "fp16", "noop")
@@ -137,7 +139,13 @@ class FaultTolerance:
         self.steps_committed = 0
         self._attempt = 0  # step attempts in this generation (the vote's key)
         self._pending: str | None = None  # why the membership must change at the next boundary
+        self._admission_waiting = False  # a committed step saw joiners waiting: admit them when allowed
+        self._skip_transfer = False  # the next heal only verifies (this process's state is already there)
+        self._stepping = False  # inside step(): collectives' failures are the step's
         self._failed_at: float | None = None
+        self._dump_state: Callable[[], dict[str, Any]] = self.state_dict  # what a newcomer receives...
+        self._load_state: Callable[[dict[str, Any]], None] = self.load_state_dict  # ... and how it loads it
+        self.generation_listeners: list[Callable[[Generation], None]] = []  # told of each new generation
         self.membership.register()
         generation = self.membership.wait_for_admission(self.launch.initial_world_size)
         self._enter(generation)
@@ -171,25 +179,65 @@ class FaultTolerance:
                     f"lightning_ddpx fault tolerance: wrap() sets {refused} itself (the group changes with the "
                     "membership; the replicas are made equal at the first step)."
                 )
+        _check_hook(comm_hook, comm_wrapper)
         if self.model is not None:
             raise RuntimeError(
                 "lightning_ddpx fault tolerance: wrap() was already called; one model per run."
             )
-        if comm_hook is not None and comm_hook not in SUPPORTED_HOOKS:
-            raise ValueError(
-                f"lightning_ddpx fault tolerance: comm_hook {comm_hook!r} is not supported with fault tolerance; "
-                f"the supported hooks are {list(SUPPORTED_HOOKS)} (their state is the default group, which each "
-                "membership rebuilds). PowerSGD, post-local SGD and DiLoCo keep per-rank and shared state across "
-                "steps that a membership change would have to carry, and are refused rather than half-working."
+        model = DistributedDataParallel(module, init_sync=False, **ddp_options)
+        return self.attach(model, comm_hook=comm_hook, comm_wrapper=comm_wrapper)
+
+    def attach(
+        self,
+        model: DistributedDataParallel,
+        *,
+        comm_hook: str | None = None,
+        comm_wrapper: str | None = None,
+        synchronized: bool = False,
+    ) -> DistributedDataParallel:
+        """Make ``model``, built by the caller over the current generation's group, the run's model (what
+        :meth:`wrap` does after building it; the Lightning strategies build theirs from their options) and
+        register the named hook on it. ``synchronized=True``: its construction already made the first
+        generation's replicas equal (``init_sync``), so the first step only verifies them."""
+        _check_hook(comm_hook, comm_wrapper)
+        if self.model is not None:
+            raise RuntimeError(
+                "lightning_ddpx fault tolerance: a model is already attached; one model per run."
             )
-        self.model = DistributedDataParallel(module, init_sync=False, **ddp_options)
-        self.model.failure_report_wait_s = 0.0  # a lost rank writes no final record: do not wait for one
+        self.model = model
+        model.failure_report_wait_s = 0.0  # a lost rank writes no final record: do not wait for one
         if comm_hook is not None:
             self._hook = build_comm_hook(comm_hook, wrapper=comm_wrapper)
-            self.model.register_comm_hook(*self._hook)
-        elif comm_wrapper is not None:
-            raise ValueError("lightning_ddpx fault tolerance: comm_wrapper needs a comm_hook to wrap.")
-        return self.model
+            model.register_comm_hook(*self._hook)
+        if synchronized and self.generation.number == 1 and self._heal_due:
+            self._skip_transfer = True
+        return model
+
+    def use_state(self, dump: Callable[[], dict[str, Any]], load: Callable[[dict[str, Any]], None]) -> None:
+        """Replace what a newcomer receives (by default :meth:`state_dict`, loaded by
+        :meth:`load_state_dict`): ``dump()`` runs on the live peer that sends, ``load(state)`` on each
+        newcomer. The Lightning strategies send a whole Lightning checkpoint (loops, callbacks, loggers)."""
+        self._dump_state, self._load_state = dump, load
+
+    def receive_state(self) -> bool:
+        """A newcomer receives its state now, before its model exists, instead of at its first step (the
+        members send it when they admit it); returns whether this process is such a newcomer. The first step
+        then only verifies the replicas. Call right after construction, or never."""
+        if self.generation.number == 1 or self.uid not in self.generation.newcomers:
+            return False
+        while True:
+            try:
+                if self._pending is not None:
+                    self._regroup(self._pending, admit=True)
+                    self._pending = None
+                self._transfer()
+                self._skip_transfer = True
+                return True
+            except Exception as error:  # noqa: BLE001 - communication failures regroup; others propagate
+                if not _is_communication_failure(error):
+                    raise
+                self._pending = f"a member was lost while this newcomer was healed ({_first_line(error)})"
+                _forget_frames(error)
 
     def track(self, *objects: Any) -> None:
         """Objects whose ``state_dict()`` a newcomer receives and loads (optimizers, LR schedulers...), in
@@ -205,17 +253,20 @@ class FaultTolerance:
             self._tracked.append(obj)
 
     @contextlib.contextmanager
-    def step(self) -> Iterator[StepOutcome]:
+    def step(self, admit: bool = True) -> Iterator[StepOutcome]:
         """One training step's forward and backward, at a step boundary. A membership change decided by the
-        last step is applied first (a new group; newcomers healed). A communication failure inside is caught
-        and voted on; apply the step (``optimizer.step()``) only if ``outcome.committed``."""
+        last step is applied first (a new group; newcomers healed, unless ``admit=False``: then waiting
+        newcomers are admitted at a later boundary that allows it). A communication failure inside is caught
+        and voted on; apply the step (``optimizer.step()``) only if ``outcome.committed``. Every member passes
+        the same ``admit`` at the same step."""
         if self.model is None:
             raise RuntimeError("lightning_ddpx fault tolerance: call wrap(module) before the first step().")
         if not self._checked:
             _refuse_unsupported(self.model, self._hook is not None)
             self._checked = True
-        self._at_boundary()
+        self._at_boundary(admit)
         outcome = StepOutcome()
+        self._stepping = True
         try:
             yield outcome
         except Exception as error:  # noqa: BLE001 - only communication failures are voted on; others re-raised
@@ -226,6 +277,8 @@ class FaultTolerance:
             _forget_frames(error)  # ... and so would the finished frames it holds (the reducer's, backward's)
             del error
             self._release_group()  # peers still blocked on this member in the failed step fail at once
+        finally:
+            self._stepping = False
         self._attempt += 1
         decision = vote(self.store, self.membership, self.generation, self._attempt, outcome.error is None)
         outcome.committed = decision != ABORT
@@ -235,24 +288,71 @@ class FaultTolerance:
                 self.stats.last_recovery_s = time.monotonic() - self._failed_at
                 self._failed_at = None
             if decision == COMMIT_AND_ADMIT:
-                self._pending = "newcomers waiting"
+                self._admission_waiting = True
         else:
             self.stats.failures += 1
             self._failed_at = self._failed_at or time.monotonic()
             cause = outcome.error if outcome.error is not None else "a member was lost before voting"
             self._note(
                 f"step {self.steps_committed} discarded on every member of generation "
-                f"{self.generation.number} ({cause}); it is retried by the survivors"
+                f"{self.generation.number} ({cause})"
             )
             self._pending = f"step {self.steps_committed} failed"
+
+    def boundary(self, admit: bool = True) -> None:
+        """A step boundary without a step (the Lightning strategies call it at each epoch's start): apply a
+        pending membership change -- admitting waiting newcomers if ``admit`` -- then agree, through the
+        store, that every member reached this point in the same generation (a member lost or gone ahead to a
+        new generation makes another one first). Every member calls it at the same point."""
+        if self.model is None:
+            raise RuntimeError("lightning_ddpx fault tolerance: call wrap(module) before boundary().")
+        while True:
+            self._at_boundary(admit)
+            self._attempt += 1
+            decision = vote(self.store, self.membership, self.generation, self._attempt, ok=True)
+            if decision == ABORT:
+                self._pending = "a member was lost at a boundary"
+            elif decision == COMMIT_AND_ADMIT and admit:
+                self._admission_waiting = True
+            else:
+                return
+
+    @property
+    def in_sync(self) -> bool:
+        """Whether a collective outside a step may run now: the group is whole (no failure since the last
+        boundary) and this process's replica has been verified equal to the others' (a newcomer's has not,
+        before its first boundary, and nor has anyone's before the run's first)."""
+        return self._pending is None and not self._heal_due and dist.is_initialized()
+
+    def outside_step(self, run: Callable[[], _Result], fallback: Callable[[], _Result]) -> _Result:
+        """``run()``, a collective between steps (a Lightning barrier, a logged metric's reduction, a
+        checkpoint's broadcast), or ``fallback()`` -- this process's own answer -- when it cannot run: the
+        group failed since the last boundary, or this process is not in step with the others yet (see
+        :attr:`in_sync`). A communication failure in ``run()`` is not raised: the group is released, the
+        membership changes at the next boundary, and ``fallback()`` answers."""
+        if self._stepping:
+            return run()  # inside a step: a failure is the step's, voted on by step()
+        if not self.in_sync:
+            return fallback()
+        try:
+            return run()
+        except Exception as error:  # noqa: BLE001 - only communication failures fall back; others re-raised
+            if not _is_communication_failure(error):
+                raise
+            self._pending = f"a collective between steps failed ({_first_line(error)})"
+            _forget_frames(error)
+            del error
+            self._note(f"{self._pending}; the membership changes at the next boundary")
+            self._release_group()
+            return fallback()
 
     def _release_group(self) -> None:
         """Destroy the current group now that this member's step failed: in a ring all-reduce a survivor may
         be waiting for data from another survivor that has already left the step; once the group's last
         reference is gone its connections close, and that receive fails at once instead of after the
         collective timeout (``ProcessGroup.abort()`` does not close gloo's). Rebuilt at the next boundary."""
-        assert self.model is not None
-        self.model.release_process_group()
+        if self.model is not None:
+            self.model.release_process_group()
         if dist.is_initialized():
             dist.destroy_process_group()
         gc.collect()  # a reference cycle through a failed future must not keep the connections open
@@ -277,14 +377,15 @@ class FaultTolerance:
             dist.destroy_process_group()
 
     # ----------------------------------------------------------------------------------- boundaries
-    def _at_boundary(self) -> None:
-        """Apply a membership change decided by the last step; a member lost meanwhile (while the group was
-        rebuilt or a newcomer healed) makes another one."""
-        while self._pending is not None or self._heal_due:
+    def _at_boundary(self, admit: bool) -> None:
+        """Apply a membership change decided by the last step (with the waiting newcomers if ``admit``); a
+        member lost meanwhile (while the group was rebuilt or a newcomer healed) makes another one."""
+        while self._pending is not None or self._heal_due or (admit and self._admission_waiting):
             try:
-                if self._pending is not None:
-                    self._regroup(self._pending)
+                if self._pending is not None or (admit and self._admission_waiting):
+                    self._regroup(self._pending or "newcomers waiting", admit)
                     self._pending = None
+                    self._admission_waiting = self._admission_waiting and not admit
                 if self._heal_due:
                     self._heal()
                     self._heal_due = False
@@ -294,12 +395,12 @@ class FaultTolerance:
                 self._pending = f"a member was lost while the membership changed ({_first_line(error)})"
                 _forget_frames(error)  # its frames would keep the failed group's connections open
 
-    def _regroup(self, reason: str) -> None:
-        assert self.model is not None
-        self.model.release_process_group()  # the old group's connections close when it is destroyed
+    def _regroup(self, reason: str, admit: bool) -> None:
+        if self.model is not None:
+            self.model.release_process_group()  # the old group's connections close when it is destroyed
         current = self.generation
         while True:
-            generation = self.membership.next_generation(current, reason)
+            generation = self.membership.next_generation(current, reason, admit_joiners=admit)
             try:
                 self._enter(generation)
                 break
@@ -307,9 +408,10 @@ class FaultTolerance:
                 if not _is_communication_failure(error) and "timeout" not in str(error).lower():
                     raise
                 current, reason = generation, f"a member of generation {generation.number} did not arrive"
-        assert self.model is not None
-        self.model.use_process_group(dist.group.WORLD, comm_hook=self._hook)
+        if self.model is not None:
+            self.model.use_process_group(dist.group.WORLD, comm_hook=self._hook)
         self._heal_due = bool(generation.newcomers)
+        self._skip_transfer = False  # a newcomer healed early takes part again: the sources send again
 
     def _enter(self, generation: Generation) -> None:
         """Build the default process group of ``generation`` (rank = place in its member list)."""
@@ -333,29 +435,40 @@ class FaultTolerance:
             f"generation {generation.number}: {len(generation.members)} rank(s) {list(generation.members)} "
             f"({generation.reason}{lost}{admitted}); this process is rank {generation.rank_of(self.uid)}"
         )
+        for listener in self.generation_listeners:
+            listener(generation)
 
     # ----------------------------------------------------------------------------------------- heal
     def _heal(self) -> None:
         """Send the newcomers the state of the lowest-ranked member that was there before (rank 0 at the
-        start), then prove every replica equal. Every member takes part."""
+        start) unless they have it already, then prove every replica equal. Every member takes part."""
         assert self.model is not None
-        generation = self.generation
         started = time.monotonic()
+        size = None if self._skip_transfer else self._transfer()
+        self._skip_transfer = False
+        self.model.verify_replicas(buffers=True, what="after a newcomer was healed")
+        self.membership.mark_healthy()
+        generation = self.generation
+        if generation.number > 1:
+            self.stats.newcomers_healed += len(generation.newcomers)
+            self.stats.last_heal_s = time.monotonic() - started
+            sent = f" ({size / 2**20:.1f} MiB)" if size is not None else ""
+            self._note(
+                f"healed {', '.join(generation.newcomers)} from {min(generation.previous)} in "
+                f"{self.stats.last_heal_s:.2f} s{sent}; replicas verified"
+            )
+
+    def _transfer(self) -> int:
+        """The lowest-ranked live peer's state to every member (a collective); the newcomers load it.
+        Returns its size in bytes."""
+        generation = self.generation
         peers = generation.previous or generation.members[:1]
         source = generation.rank_of(min(peers))
         payload = self._state() if self.rank == source else None
         state = _broadcast_bytes(payload, source)
         if self.uid in generation.newcomers and self.rank != source:
             self._load(state)
-        self.model.verify_replicas(buffers=True, what="after a newcomer was healed")
-        self.membership.mark_healthy()
-        if generation.number > 1:
-            self.stats.newcomers_healed += len(generation.newcomers)
-            self.stats.last_heal_s = time.monotonic() - started
-            self._note(
-                f"healed {', '.join(generation.newcomers)} from {min(peers)} in {self.stats.last_heal_s:.2f} s "
-                f"({len(state) / 2**20:.1f} MiB); replicas verified"
-            )
+        return len(state)
 
     # ---------------------------------------------------------------------------------- the state
     def state_dict(self) -> dict[str, Any]:
@@ -423,11 +536,14 @@ class FaultTolerance:
 
     def _state(self) -> bytes:
         buffer = io.BytesIO()
-        torch.save(self.state_dict(), buffer)
+        torch.save(self._dump_state(), buffer)
         return buffer.getvalue()
 
     def _load(self, data: bytes) -> None:
-        self.load_state_dict(torch.load(io.BytesIO(data), weights_only=True))
+        # a custom state (a Lightning checkpoint) may hold objects weights_only refuses; it comes from a peer
+        # of the same run, as trusted as a checkpoint the run wrote
+        default = self._load_state == self.load_state_dict
+        self._load_state(torch.load(io.BytesIO(data), weights_only=default))
 
     def _note(self, message: str) -> None:
         self.stats.events.append(message)
@@ -444,6 +560,18 @@ def _forget_frames(error: BaseException) -> None:
         if error.__traceback__ is not None:
             traceback.clear_frames(error.__traceback__)  # skips frames still running (the caller's)
         error = error.__cause__ or error.__context__  # type: ignore[assignment]
+
+
+def _check_hook(comm_hook: str | None, comm_wrapper: str | None) -> None:
+    if comm_hook is not None and comm_hook not in SUPPORTED_HOOKS:
+        raise ValueError(
+            f"lightning_ddpx fault tolerance: comm_hook {comm_hook!r} is not supported with fault tolerance; "
+            f"the supported hooks are {list(SUPPORTED_HOOKS)} (their state is the default group, which each "
+            "membership rebuilds). PowerSGD, post-local SGD and DiLoCo keep per-rank and shared state across "
+            "steps that a membership change would have to carry, and are refused rather than half-working."
+        )
+    if comm_wrapper is not None and comm_hook is None:
+        raise ValueError("lightning_ddpx fault tolerance: comm_wrapper needs a comm_hook to wrap.")
 
 
 def _refuse_unsupported(model: DistributedDataParallel, hook_from_wrap: bool) -> None:

@@ -157,6 +157,14 @@ class Membership:
         uids = [self.store.get(f"ft/joiner/{i}").decode() for i in range(consumed + 1, count + 1)]
         return [uid for uid in uids if self.lost_reason(uid) is None], count
 
+    def moved_on(self, generation: Generation) -> str | None:
+        """A member of ``generation`` already waiting for the next one (it saw a failure this process did
+        not), or ``None``: whatever it would vote, the step cannot commit."""
+        for uid in generation.members:
+            if uid != self.uid and self.store.check([f"ft/gen/{generation.number + 1}/present/{uid}"]):
+                return uid
+        return None
+
     def joiner_count(self) -> int:
         return int(self.store.add("ft/joiner_count", 0))
 
@@ -237,15 +245,20 @@ class Membership:
         return self.propose(first)
 
     # --------------------------------------------------------------------------- the next generation
-    def next_generation(self, current: Generation, reason: str) -> Generation:
+    def next_generation(self, current: Generation, reason: str, admit_joiners: bool = True) -> Generation:
         """The generation after ``current``, as every surviving member adopts it (see the module's
-        docstring). Collective through the store among ``current``'s surviving members."""
+        docstring). Collective through the store among ``current``'s surviving members. With
+        ``admit_joiners=False`` the joiners keep waiting (whoever proposes first decides for everyone)."""
         number = current.number + 1
         self.store.set(f"ft/gen/{number}/present/{self.uid}", "1")
         existing = self.record(number)
         if existing is None:
             survivors, lost = self._survivors(current, number)
-            joiners, consumed = self.joiners_after(current.joiners_consumed)
+            joiners, consumed = (
+                self.joiners_after(current.joiners_consumed)
+                if admit_joiners
+                else ([], current.joiners_consumed)
+            )
             members = tuple(sorted(set(survivors) | set(joiners)))
             # the live peers: survivors holding the trained state (a newcomer whose healing was cut short is
             # a newcomer again)

@@ -28,15 +28,19 @@ class FaultToleranceOptions:
             neither answers nor closes its connection.
         join_timeout_s: how long a process waits to be admitted into the run, and a new group for all of
             its members to arrive.
+        replacements: how many replacement processes the strategies' launcher starts, one per process lost
+            (the command-line launcher takes ``--replacements`` instead).
     """
 
     min_ranks: int = 1
     heartbeat_timeout_s: float = 10.0
     collective_timeout_s: float = 60.0
     join_timeout_s: float = 120.0
+    replacements: int = 0
 
     def __post_init__(self) -> None:
         check_int("FaultToleranceOptions", "min_ranks", self.min_ranks, minimum=1)
+        check_int("FaultToleranceOptions", "replacements", self.replacements, minimum=0)
         for name in ("heartbeat_timeout_s", "collective_timeout_s", "join_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not is_finite_number(value):

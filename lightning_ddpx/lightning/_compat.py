@@ -6,31 +6,49 @@ lives here).
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 from lightning.fabric.strategies.ddp import _DDPBackwardSyncControl
+from lightning.fabric.strategies.launchers.launcher import _Launcher as _FabricLauncher
+from lightning.fabric.strategies.launchers.subprocess_script import _basic_subprocess_cmd
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+from lightning.pytorch.strategies.launchers.launcher import _Launcher as _TrainerLauncher
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
 
 __all__ = [
     "PATH",
     "BackwardSyncControl",
+    "ContinuingCSVWriter",
     "DDPBackwardSyncControl",
+    "FabricLauncher",
     "ForwardRedirection",
     "StrategyRegistry",
+    "TrainerLauncher",
     "WrappingCheckpointIO",
     "compiler_context",
+    "discard_closure_result",
+    "dump_checkpoint",
+    "exit_now",
     "forward_module",
+    "is_fitting",
     "is_local_path",
     "layer_sync",
     "optimizers_to_device",
+    "parse_num_batches",
+    "pin_logger",
+    "restore_on_fit",
+    "script_command",
+    "train_combined_loader",
     "trainer_of",
     "unwrapped_optimizer",
+    "versioned_loggers",
     "weights_only_argument",
     "wrap_closure",
 ]
@@ -103,3 +121,93 @@ def weights_only_argument(weights_only: Optional[bool]) -> dict[str, Optional[bo
     2.5's does not take it (nor does its Trainer or Fabric pass it). Given only when set, so both work; unset
     means Lightning's default either way. Public API, but version-dependent: kept here with the others."""
     return {} if weights_only is None else {"weights_only": weights_only}
+
+
+# The launchers' bases, for the fault-tolerant launchers (the process the user started supervises). >= 2.0.
+TrainerLauncher = _TrainerLauncher
+FabricLauncher = _FabricLauncher
+
+
+def script_command() -> list[str]:
+    """The command that runs this script again (``python script.py args`` or ``python -m module args``), as
+    Lightning's ``popen`` launcher builds it for its children. >= 2.0."""
+    return list(_basic_subprocess_cmd())
+
+
+def is_fitting(trainer: Any) -> bool:
+    """Whether the Trainer is in ``fit`` (``trainer.state.fn``). Public, kept with the launcher's needs."""
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    return trainer.state.fn == TrainerFn.FITTING
+
+
+def dump_checkpoint(trainer: Any) -> dict[str, Any]:
+    """The dict ``trainer.save_checkpoint`` writes (module, optimizers, schedulers, loops, callbacks), built
+    in memory by the Trainer's checkpoint connector: what a fault-tolerant run's newcomer receives. >= 2.0;
+    checked on 2.6.6."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def restore_on_fit(trainer: Any, checkpoint: dict[str, Any]) -> None:
+    """Make the coming ``fit`` restore ``checkpoint`` as from ``ckpt_path``: the connector restores whatever
+    it holds in ``_loaded_checkpoint`` (model and callbacks before the strategy's setup, then optimizers,
+    schedulers and loops). Set before the restore starts (in the strategy's ``setup_environment``). >= 2.0;
+    checked on 2.6.6."""
+    trainer._checkpoint_connector._loaded_checkpoint = checkpoint
+
+
+def train_combined_loader(trainer: Any) -> Any:
+    """The fit loop's combined training loader (``limits`` per loader), ``None`` before it is built. >= 2.0;
+    checked on 2.6.6."""
+    return getattr(trainer.fit_loop, "_combined_loader", None)
+
+
+def versioned_loggers(trainer: Any) -> list[Any]:
+    """The loggers whose version names their directory (CSV, TensorBoard: their ``_version``). >= 2.0."""
+    return [logger for logger in trainer.loggers if hasattr(logger, "_version")]
+
+
+def pin_logger(logger: Any, version: Any, writer: Any = None) -> None:
+    """Fix a logger's version (its directory) before it picks the next free one, and, given, the experiment
+    writer it logs through. >= 2.0; checked on 2.6.6."""
+    logger._version = version
+    if writer is not None:
+        logger._experiment = writer
+
+
+def exit_now(code: int) -> None:
+    """``os._exit``: Python's documented immediate exit (no interpreter finalisation), kept here because its
+    name reads as private to the structure test's scan."""
+    os._exit(code)
+
+
+def discard_closure_result(closure: Any) -> None:
+    """Mark an automatic-optimisation closure as having produced no loss (as a ``training_step`` returning
+    ``None`` does), so that the loop skips the batch's output: a fault-tolerant step whose closure failed
+    mid-backward has none. >= 2.0; checked on 2.6.6."""
+    from lightning.pytorch.loops.optimization.automatic import ClosureResult
+
+    if hasattr(closure, "_result") and closure._result is None:
+        closure._result = ClosureResult(closure_loss=None)
+
+
+def parse_num_batches(length: Any, limit: Any) -> Any:
+    """How many training batches an epoch takes from a loader of ``length`` under ``limit_train_batches``, as
+    the fit loop computes it when it builds its loader (recomputed when the membership reshards). >= 2.0."""
+    from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
+    from lightning.pytorch.trainer.states import RunningStage
+
+    return _parse_num_batches(RunningStage.TRAINING, length, limit)
+
+
+class ContinuingCSVWriter(ExperimentWriter):
+    """Lightning's CSV experiment writer, minus its start-up check (``_check_log_dir_exists``), which deletes
+    an existing ``metrics.csv``: a fault-tolerant run's new rank 0 continues the file the lost one wrote.
+    Its columns start as the file's, so appended rows line up (new ones rewrite the header, as usual).
+    >= 2.0; checked on 2.6.6."""
+
+    def _check_log_dir_exists(self) -> None:
+        if self._fs.isfile(self.metrics_file_path):
+            with self._fs.open(self.metrics_file_path, "r", newline="") as file:
+                header = file.readline().strip()
+            self.metrics_keys = sorted(set(self.metrics_keys) | set(filter(None, header.split(","))))

@@ -25,6 +25,7 @@ from lightning_ddpx.engine.buckets.plan import is_bucket_cap
 from lightning_ddpx.engine.module.data_parallel import DistributedDataParallel
 from lightning_ddpx.engine.option_values import check_flags, check_int
 from lightning_ddpx.engine.transport.transports import hook_name
+from lightning_ddpx.fault.options import FaultToleranceOptions
 from lightning_ddpx.hooks import DiLoCoOptions, PostLocalSGDOptions, PowerSGDOptions
 from lightning_ddpx.hooks.registry import (
     available_hooks,
@@ -38,6 +39,7 @@ from lightning_ddpx.hooks.registry import (
 from lightning_ddpx.lightning import (
     checkpoint_state,
     diloco_setup,
+    fault_tolerance_setup,
     optimizer_overlap_setup,
     post_local_sgd_setup,
     replica_verification,
@@ -250,7 +252,19 @@ class DDPXConfig:
         "verification).",
     )
 
+    fault_tolerance: Optional[Union[bool, FaultToleranceOptions, dict[str, Any]]] = _option(
+        None,
+        "off unless given (``None``/``False``). With it, a lost training process does not end the run: the others discard the step in flight and go on, and "
+        'a replacement (``{"replacements": 1}``) is healed from a live peer. ``True``, or a dict of '
+        "``FaultToleranceOptions`` (``min_ranks``, ``replacements``, ``heartbeat_timeout_s``, "
+        "``collective_timeout_s``, ``join_timeout_s``). gloo only; see docs/fault-tolerance.md for what it "
+        "supports and refuses.",
+        fabric_doc="as in the Trainer strategy; the loop uses ``fabric.strategy.fault_tolerance`` (its "
+        "``step()`` decides whether to apply each step). See docs/fault-tolerance.md.",
+    )
+
     def __post_init__(self) -> None:
+        object.__setattr__(self, "fault_tolerance", FaultToleranceOptions.of(self.fault_tolerance))
         for f in fields(self):  # each option's own check, declared with it
             check = f.metadata.get("check")
             if check is not None:
@@ -288,6 +302,8 @@ class DDPXConfig:
         for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, float(getattr(self, name)))
+        if self.fault_tolerance is not None:
+            fault_tolerance_setup.check_options(self)
 
     @property
     def hook_name(self) -> str:
@@ -306,10 +322,12 @@ class DDPXConfig:
         module: nn.Module,
         process_group: Optional[dist.ProcessGroup] = None,
         device_ids: Optional[list[int]] = None,
+        init_sync: Optional[bool] = None,
     ) -> DistributedDataParallel:
         """``module`` in our data-parallel module with these options; :meth:`register_hook` adds the hook.
 
         ``device_ids``: what Lightning's DDP strategies pass torch's DDP (:func:`ddp_device_ids`).
+        ``init_sync``: overrides the option (a fault-tolerant run's newcomer is healed later instead).
         """
         wrapped = DistributedDataParallel(
             module,
@@ -321,7 +339,7 @@ class DDPXConfig:
             forward_sync_buffers=self.broadcast_buffers,  # the strategies: buffers always synced at wrap
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             static_graph=self.static_graph,
-            init_sync=self.init_sync,
+            init_sync=self.init_sync if init_sync is None else init_sync,
         )
         # options that add collectives outside the module, and a user's hook options (the built-ins' are their
         # state's): every rank must have them alike

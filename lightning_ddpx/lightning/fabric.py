@@ -36,6 +36,7 @@ from typing_extensions import override
 
 from lightning_ddpx.engine.module.data_parallel import DistributedDataParallel
 from lightning_ddpx.engine.reducer.comm_stats import CommStatsSummary
+from lightning_ddpx.fault.manager import FaultTolerance
 from lightning_ddpx.lightning import local_replicas, optimizer_overlap_setup, post_local_sgd_setup
 from lightning_ddpx.lightning._compat import (
     PATH,
@@ -53,6 +54,13 @@ from lightning_ddpx.lightning.config import (
     register_strategy_names,
 )
 from lightning_ddpx.lightning.ddp_kwargs import build_ddpx_config, torch_ddp_kwargs
+from lightning_ddpx.lightning.fault_tolerance_launch import (
+    FabricFaultTolerantLauncher,
+    FaultTolerantEnvironment,
+    in_training_process,
+    join_run,
+)
+from lightning_ddpx.lightning.fault_tolerance_setup import follow_rank
 from lightning_ddpx.lightning.options import takes_ddpx_options
 from lightning_ddpx.lightning.process_exit import destroy_process_group_at_exit
 from lightning_ddpx.lightning.replica_verification import ReplicaVerifier
@@ -99,6 +107,15 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     ) -> None:
         # Validate before Fabric sees the strategy: a typo fails at once, not after launch.
         self.ddpx_config = build_ddpx_config(type(self).__name__, "Fabric", kwargs)
+        if self.ddpx_config.fault_tolerance is not None:
+            if cluster_environment is not None:
+                raise ValueError(
+                    f"DDPXStrategy: fault_tolerance brings its own cluster environment (ranks follow the "
+                    f"membership); got cluster_environment={type(cluster_environment).__name__}."
+                )
+            cluster_environment = FaultTolerantEnvironment()
+        # with fault_tolerance, this training process's part in the run, once fabric.launch() joined it
+        self.fault_manager: Optional[FaultTolerance] = None
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -134,9 +151,49 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
 
     # ------------------------------------------------------------------------------------------ setup
     @override
+    def _configure_launcher(self) -> None:
+        options = self.ddpx_config.fault_tolerance
+        if options is None:
+            return super()._configure_launcher()
+        if self.num_nodes > 1 and not in_training_process():
+            raise ValueError(
+                "DDPXStrategy: with fault_tolerance on several machines, start the script with "
+                "python -m lightning_ddpx.fault.launch on each machine (docs/fault-tolerance.md)."
+            )
+        assert isinstance(self.cluster_environment, FaultTolerantEnvironment)
+        self.cluster_environment.num_processes = self.num_processes
+        self._launcher = FabricFaultTolerantLauncher(self.num_processes, options)
+
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()  # creates the process group
         destroy_process_group_at_exit()  # so the process exits with its status, never SIGABRT
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """With fault_tolerance, the membership's world size and rank (a world of one in the launching
+        process after fit), not the devices': a loader built after a change is sharded by the members."""
+        if self.ddpx_config.fault_tolerance is None:
+            return super().distributed_sampler_kwargs
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @override
+    def _setup_distributed(self) -> None:
+        """With fault_tolerance: join the run (its group is the membership's); see docs/fault-tolerance.md."""
+        options = self.ddpx_config.fault_tolerance
+        if options is None:
+            return super()._setup_distributed()
+        if self._get_process_group_backend() != "gloo":
+            raise ValueError(
+                "DDPXStrategy: fault_tolerance needs the gloo backend (process_group_backend='gloo'), got "
+                f"{self._get_process_group_backend()!r}: only gloo's groups can be rebuilt after a lost rank."
+            )
+        fault = join_run(options)
+        assert isinstance(self.cluster_environment, FaultTolerantEnvironment)
+        self.fault_manager = self.cluster_environment.fault = fault
+        fault.generation_listeners.append(lambda generation: follow_rank(generation.rank_of(fault.uid)))
+        follow_rank(fault.rank)
 
     @override
     def setup_module(self, module: nn.Module) -> DistributedDataParallel:
@@ -148,6 +205,18 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         log.debug(
             f"{type(self).__name__}: wrapping in lightning_ddpx.DistributedDataParallel, {self.hook_name}"
         )
+        fault = self.fault_manager
+        if fault is not None:  # healed at the first step (a newcomer) or already equal (the first generation)
+            first = fault.generation.number == 1
+            wrapped = self.ddpx_config.wrap(
+                module, device_ids=ddp_device_ids(self.root_device), init_sync=first
+            )
+            config = self.ddpx_config
+            fault.attach(
+                wrapped, comm_hook=config.comm_hook, comm_wrapper=config.comm_wrapper, synchronized=first
+            )
+            self._modules.add(wrapped)
+            return wrapped
         wrapped = self.ddpx_config.wrap(module, device_ids=ddp_device_ids(self.root_device))
         self.ddpx_config.register_hook(wrapped)
         if wrapped.parameter_averaging is not None:
@@ -161,6 +230,8 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         """With ``overlap_optimizer``: hand the optimizer to the model (set up before) that owns its parameters."""
         if self.overlap_optimizer:
             optimizer_overlap_setup.attach_fabric_optimizer(self._modules, optimizer, self.precision)
+        if self.fault_manager is not None:
+            self.fault_manager.track(optimizer)  # a newcomer receives its state with the model's
         self._optimizers.append(optimizer)  # post-local SGD averages every optimizer's parameters
         return super().setup_optimizer(optimizer)
 
@@ -183,6 +254,8 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     def process_dataloader(self, dataloader: DataLoader) -> DataLoader:
         """Loaders are iterated in lockstep across ranks (``uneven_inputs``), except in loops entered with
         gradients disabled (evaluation, possibly on rank 0 alone)."""
+        if self.ddpx_config.fault_tolerance is not None:
+            return dataloader  # key the data on the fault tolerance's step, rank and world size instead
         return self.ddpx_config.wrap_training_loader(
             dataloader, dist.group.WORLD, self.root_device, self._uneven_steps, for_fabric=True
         )
@@ -255,6 +328,9 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         each in the Trainer strategy's entry format. Fabric calls this on every rank, as gathering needs.
         """
         modules = _our_modules(state)
+        if self.fault_manager is not None:  # stateless hooks only; the writer is the membership's rank 0
+            super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+            return
         self._replicas.before_save(modules.values())  # a diverged run must not be saved as rank 0's weights
         if modules:
             if CHECKPOINT_KEY in state:
@@ -344,6 +420,32 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             self.ddpx_config.verify_replicas_every_n_steps
         )  # closed ones forgotten
         super().teardown()
+        if self.fault_manager is not None:
+            self.fault_manager.close()
+
+    # ---------------------------------------------------------------------- collectives between steps
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        """With fault_tolerance, nothing: a barrier cannot tell a slow member from a lost one."""
+        if self.ddpx_config.fault_tolerance is None:
+            super().barrier(*args, **kwargs)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self._between_steps(lambda: super(DDPXStrategy, self).broadcast(obj, src), obj)
+
+    @override
+    def all_reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        return self._between_steps(
+            lambda: super(DDPXStrategy, self).all_reduce(tensor, group, reduce_op), tensor
+        )
+
+    def _between_steps(self, run: Callable[[], Any], own: Any) -> Any:
+        """With fault_tolerance, a collective that fails between steps gives this process's own value
+        (``own``), and the membership changes at the next step; inside a step a failure is the step's."""
+        if self.fault_manager is None:
+            return run()
+        return self.fault_manager.outside_step(run, lambda: own)
 
     # ------------------------------------------------------------------------------------- registry
     @classmethod

@@ -54,6 +54,17 @@ from lightning_ddpx.lightning.config import (
     register_strategy_names,
 )
 from lightning_ddpx.lightning.ddp_kwargs import build_ddpx_config, torch_ddp_kwargs
+from lightning_ddpx.lightning.fault_tolerance_launch import (
+    FaultTolerantEnvironment,
+    FaultTolerantLauncher,
+    in_training_process,
+)
+from lightning_ddpx.lightning.fault_tolerance_setup import (
+    CHECKPOINT_KEY,
+    TrainerFaultTolerance,
+    check_trainer,
+    follow_rank,
+)
 from lightning_ddpx.lightning.options import takes_ddpx_options
 from lightning_ddpx.lightning.process_exit import destroy_process_group_at_exit
 from lightning_ddpx.lightning.replica_verification import ReplicaVerifier
@@ -116,6 +127,18 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     ) -> None:
         # Validate everything before Lightning sees the strategy: a typo fails at once, not after launch.
         self.ddpx_config = build_ddpx_config(type(self).__name__, "Trainer", kwargs)
+        fault_options = self.ddpx_config.fault_tolerance
+        if fault_options is not None:
+            if cluster_environment is not None:
+                raise ValueError(
+                    f"DDPXStrategy: fault_tolerance brings its own cluster environment (ranks follow the "
+                    f"membership); got cluster_environment={type(cluster_environment).__name__}. On several "
+                    "machines, start the script with python -m lightning_ddpx.fault.launch on each "
+                    "(docs/fault-tolerance.md)."
+                )
+            cluster_environment = FaultTolerantEnvironment()
+        # with fault_tolerance: what the strategy does differently in a training process (fault_tolerance_setup)
+        self._fault = TrainerFaultTolerance(fault_options) if fault_options is not None else None
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -169,9 +192,52 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
 
     # ------------------------------------------------------------------------------------------ setup
     @override
+    def _configure_launcher(self) -> None:
+        if self._fault is None:
+            return super()._configure_launcher()
+        if self.num_nodes > 1 and not in_training_process():
+            raise ValueError(
+                "DDPXStrategy: with fault_tolerance on several machines, start the script with "
+                "python -m lightning_ddpx.fault.launch on each machine (docs/fault-tolerance.md); the strategy's "
+                f"own launcher supervises one machine (num_nodes={self.num_nodes})."
+            )
+        assert isinstance(self.cluster_environment, FaultTolerantEnvironment)
+        self.cluster_environment.num_processes = self.num_processes
+        self._launcher = FaultTolerantLauncher(self.num_processes, self._fault.options)
+
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()  # creates the process group
         destroy_process_group_at_exit()  # so the process exits with its status, never SIGABRT
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """With fault_tolerance, the membership's world size and rank (a world of one in the launching
+        process after fit), not the devices': a loader built after a change is sharded by the members."""
+        if self._fault is None:
+            return super().distributed_sampler_kwargs
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @override
+    def setup_distributed(self) -> None:
+        """With fault_tolerance, a training process joins the run (its group is the membership's); the
+        launching process, after fit, is a world of one."""
+        if self._fault is None:
+            return super().setup_distributed()
+        if not in_training_process():
+            self.set_world_ranks()
+            return
+        assert isinstance(self._launcher, FaultTolerantLauncher)
+        check_trainer(self._launcher.trainer, self._get_process_group_backend())
+        self._fault.join(self._launcher.trainer, self.cluster_environment)
+        self.set_world_ranks()
+
+    @override
+    def set_world_ranks(self) -> None:
+        if self._fault is None:
+            return super().set_world_ranks()
+        follow_rank(self.global_rank)  # the membership's rank (the environment's)
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -191,7 +257,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
                 optimizer_overlap_setup.attach_trainer_optimizer(
                     self.model, trainer, self.optimizers, self.precision_plugin
                 )
-        else:
+        elif dist.is_initialized():
             # Evaluation needs no gradient reducer, but every rank must hold rank 0's weights, as in training.
             module = self.model
             with waiting_for(f"rank 0's weights before {trainer.state.fn.value}", dist.group.WORLD):
@@ -226,6 +292,17 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         """Step, then (post-local SGD) average the model's optimized parameters when due.
 
         With ``overlap_optimizer`` the closure's backward steps the optimizer: run only the closure."""
+        if self._fault is not None and self._fault.fault is not None:
+            trainer = lightning_compat.trainer_of(self.lightning_module)
+            output = self._fault.optimizer_step(
+                lambda done: super(DDPXStrategy, self).optimizer_step(optimizer, done, model, **kwargs),
+                closure,
+                trainer.fit_loop.epoch_loop.batch_idx if trainer is not None else -1,
+            )
+            self._fault.between_steps(
+                lambda: self._replicas.after_optimizer_step(self._our_model()), lambda: None
+            )
+            return output
         if self.overlap_optimizer:
             output = optimizer_overlap_setup.step_with_closure(
                 self.precision_plugin,
@@ -264,12 +341,24 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
-        return self.ddpx_config.wrap(model, device_ids=self.determine_ddp_device_ids())
+        fault = self._fault.fault if self._fault is not None else None
+        # a newcomer to a fault-tolerant run is healed at its first boundary, not by a broadcast at the wrap
+        init_sync = None if fault is None else fault.generation.number == 1
+        return self.ddpx_config.wrap(model, device_ids=self.determine_ddp_device_ids(), init_sync=init_sync)
 
     @override
     def _register_ddp_hooks(self) -> None:
         """Build and register the communication hook, on every device type (CPU included)."""
         assert isinstance(self.model, DistributedDataParallel)
+        if self._fault is not None and self._fault.fault is not None:  # the hook follows the membership
+            config, fault = self.ddpx_config, self._fault.fault
+            fault.attach(
+                self.model,
+                comm_hook=config.comm_hook,  # a name: check_options refused the rest
+                comm_wrapper=config.comm_wrapper,
+                synchronized=fault.generation.number == 1,
+            )
+            return
         log.debug(f"{type(self).__name__}: registering comm hook {self.hook_name}")
         self._hook_state = self.ddpx_config.register_hook(self.model)
         self._hook_registered = True
@@ -283,6 +372,9 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         trainer = lightning_compat.trainer_of(module) if module is not None else None
         if trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
+        if self._fault is not None:  # sharded by the membership, resharded when it changes
+            self._fault.watch_samplers(dataloader)
+            return dataloader
         return self.ddpx_config.wrap_training_loader(
             dataloader, dist.group.WORLD, self.root_device, self._uneven_steps, for_fabric=False
         )
@@ -295,6 +387,8 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._fault is not None and batch_idx == 0:
+            self._fault.epoch_boundary()  # once per epoch: here if no DistributedSampler's set_epoch came first
         info = self._uneven_steps.advance()
         if info is not None and isinstance(self.model, DistributedDataParallel):
             self.model.buffer_source_rank = info.authority  # not a rank that is only replaying
@@ -306,6 +400,54 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             # Same code, same collectives as a real step, zero gradient from this rank (see uneven.py).
             closure_loss = closure_loss * 0.0
         return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    # ---------------------------------------------------------------------- collectives between steps
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        """With fault_tolerance, nothing: a barrier cannot tell a slow member from a lost one, and the
+        members meet at every step anyway."""
+        if self._fault is None:
+            super().barrier(*args, **kwargs)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if self._fault is None:
+            return super().broadcast(obj, src)
+        return self._fault.between_steps(lambda: super(DDPXStrategy, self).broadcast(obj, src), lambda: obj)
+
+    @override
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        if self._fault is None:
+            return super().reduce(tensor, group, reduce_op)
+        return self._fault.between_steps(
+            lambda: super(DDPXStrategy, self).reduce(tensor, group, reduce_op), lambda: tensor
+        )
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        if self._fault is None:
+            return super().all_gather(tensor, group, sync_grads)
+        return self._fault.between_steps(
+            lambda: super(DDPXStrategy, self).all_gather(tensor, group, sync_grads),
+            lambda: tensor.unsqueeze(0),
+        )
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        if self._fault is None:
+            return super().reduce_boolean_decision(decision, all)
+        return self._fault.between_steps(
+            lambda: super(DDPXStrategy, self).reduce_boolean_decision(decision, all), lambda: decision
+        )
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """With fault_tolerance, the LightningModule's own step: the wrapper's forward would synchronise
+        buffers, a collective outside the training steps the members agree on."""
+        if self._fault is None or self.lightning_module is None:
+            return super().validation_step(*args, **kwargs)
+        with self.precision_plugin.val_step_context():
+            return self.lightning_module.validation_step(*args, **kwargs)
 
     # ------------------------------------------------------------------------------ forward / backward
     @override
@@ -384,6 +526,12 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         Also after ``fit`` (``trainer.save_checkpoint`` once training ended): the state outlives the module.
         Weights-only checkpoints (no optimizer states) stay weights only.
         """
+        if self._fault is not None:  # stateless hooks only; the writer is the membership's rank 0
+            self._fault.between_steps(lambda: self._replicas.before_save(self._our_model()), lambda: None)
+            if self._fault.fault is not None:
+                checkpoint[CHECKPOINT_KEY] = self._fault.membership_record()
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
         self._replicas.before_save(self._our_model())  # a diverged run must not be saved as rank 0's weights
         if self._averaging is not None and "optimizer_states" in checkpoint and dist.is_initialized():
             self._add_local_replicas(checkpoint)
@@ -481,6 +629,8 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             self.model = layer_sync.revert(self.model)
         # Skip DDPStrategy.teardown, which inspects torch's DDP; the rest of the chain is generic.
         ParallelStrategy.teardown(self)
+        if self._fault is not None:
+            self._fault.close()  # leaves the run: the membership stops waiting for this process
 
     # ------------------------------------------------------------------------------------- registry
     @classmethod

@@ -1,0 +1,266 @@
+"""How the strategies start a fault-tolerant run: the process the user started supervises, and trains nothing.
+
+Lightning's own launchers make the launching process rank 0 (``popen``) or kill every process when one dies
+(``spawn``: "to avoid zombies"). With ``fault_tolerance`` on, :class:`FaultTolerantLauncher` (Trainer) and
+:class:`FabricFaultTolerantLauncher` (Fabric) instead run the script's training processes under the fault
+tolerance supervisor (:class:`~lightning_ddpx.fault.launch.Supervisor`): it hosts the run's store, outlives
+every training process, and starts up to ``replacements`` replacements. A training process is recognised by
+the variables the supervisor gives it (:mod:`lightning_ddpx.fault.launch_env`); the same script, started by
+``python -m lightning_ddpx.fault.launch`` on each machine, runs across machines the same way.
+
+- **Trainer.** ``trainer.fit`` in the launching process returns once the training processes are done, with
+  the trained weights loaded into the LightningModule, and ``trainer.state``, ``global_step``,
+  ``current_epoch``, ``callback_metrics`` and the checkpoint callback's ``best_model_path`` as the last rank 0
+  left them (written to a results file by whichever process was rank 0 at the end: :func:`write_results`).
+  The training processes end with ``fit``: what the script does after it runs once, in the launching process.
+  Later ``validate``/``test``/``predict`` calls there run in that one process, on the trained weights.
+- **Fabric.** ``fabric.launch()`` in the launching process supervises and then exits with the training
+  processes' exit code: the script's training loop runs in the training processes only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import tempfile
+from typing import Any, Callable, Optional
+
+import torch
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.pytorch.loggers import CSVLogger
+from typing_extensions import override
+
+from lightning_ddpx.fault.launch import Supervisor
+from lightning_ddpx.fault.launch_env import ENV_UID
+from lightning_ddpx.fault.manager import FaultTolerance
+from lightning_ddpx.fault.membership import FaultToleranceError, RunEnded
+from lightning_ddpx.fault.options import FaultToleranceOptions
+from lightning_ddpx.lightning import _compat as lightning_compat
+
+__all__ = [
+    "ENV_RESULTS",
+    "FabricFaultTolerantLauncher",
+    "FaultTolerantEnvironment",
+    "FaultTolerantLauncher",
+    "continue_loggers",
+    "in_training_process",
+    "join_run",
+    "write_results",
+]
+
+log = logging.getLogger(__name__)
+
+ENV_RESULTS = "DDPX_FT_RESULTS"  # where the last rank 0 writes what fit() returns to the launching process
+
+
+def in_training_process() -> bool:
+    """Whether this process was started by the fault-tolerance supervisor (the strategies' launcher or the
+    command-line one), rather than by the user."""
+    return bool(os.environ.get(ENV_UID))
+
+
+class FaultTolerantEnvironment(ClusterEnvironment):
+    """Ranks as the run's current membership has them: a process's rank and the world size change when a
+    member is lost or a newcomer admitted (:attr:`fault`, set once the process joined the run). The launching
+    process, and a process before it joined, is a world of one."""
+
+    def __init__(self, num_processes: int = 1) -> None:
+        self.num_processes = num_processes
+        self.fault: Optional[FaultTolerance] = None
+
+    @property
+    @override
+    def creates_processes_externally(self) -> bool:
+        return in_training_process()  # the supervisor started this one: Lightning starts no other
+
+    @property
+    @override
+    def main_address(self) -> str:
+        return os.environ.get("DDPX_FT_STORE_HOST", "127.0.0.1")
+
+    @property
+    @override
+    def main_port(self) -> int:
+        return int(os.environ.get("DDPX_FT_STORE_PORT", "0"))
+
+    @staticmethod
+    @override
+    def detect() -> bool:
+        return in_training_process()
+
+    @override
+    def world_size(self) -> int:
+        return self.fault.world_size if self.fault is not None else 1
+
+    @override
+    def set_world_size(self, size: int) -> None:
+        """Ignored: the membership decides."""
+
+    @override
+    def global_rank(self) -> int:
+        return self.fault.rank if self.fault is not None else 0
+
+    @override
+    def set_global_rank(self, rank: int) -> None:
+        """Ignored: the membership decides."""
+
+    @override
+    def local_rank(self) -> int:
+        """Which of this machine's devices: the process's place among those the supervisor started (its uid's
+        number), modulo the devices (a replacement takes a lost process's place)."""
+        uid = os.environ.get(ENV_UID, "0")
+        return int(uid.rsplit("-", 1)[-1]) % max(self.num_processes, 1)
+
+    @override
+    def node_rank(self) -> int:
+        return 0
+
+
+def join_run(options: FaultToleranceOptions) -> FaultTolerance:
+    """This training process's part in the run, once admitted. A replacement that arrives after the last
+    step has nothing to do: it says so and exits with code 0."""
+    try:
+        return FaultTolerance(options, backend="gloo")
+    except RunEnded as ended:
+        log.warning(str(ended))
+        _end_training_process()
+        raise  # not reached
+
+
+def supervise(num_processes: int, options: FaultToleranceOptions, env: dict[str, str]) -> int:
+    """Run this script's ``num_processes`` training processes under the supervisor; their exit code."""
+    supervisor = Supervisor(
+        list(lightning_compat.script_command()), num_processes, replacements=options.replacements, env=env
+    )
+    return supervisor.run()
+
+
+class FaultTolerantLauncher(lightning_compat.TrainerLauncher):
+    """The Trainer's launcher with ``fault_tolerance`` (see the module's docstring)."""
+
+    def __init__(self, num_processes: int, options: FaultToleranceOptions) -> None:
+        self.num_processes, self.options = num_processes, options
+        self.trainer: Any = None  # the training process's Trainer, for the strategy's heal
+        self._supervised = False
+
+    @property
+    @override
+    def is_interactive_compatible(self) -> bool:
+        return False  # the training processes run the script again
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        fitting = trainer is not None and lightning_compat.is_fitting(trainer)
+        if in_training_process():
+            if not fitting:
+                raise FaultToleranceError(
+                    "lightning_ddpx fault tolerance: the training processes run trainer.fit() only; call "
+                    "validate(), test() or predict() after fit() -- they then run in the process you started, "
+                    "on the trained weights."
+                )
+            self.trainer = trainer
+            results = function(*args, **kwargs)
+            if os.environ.get(ENV_RESULTS) and trainer.is_global_zero:
+                write_results(trainer, results, os.environ[ENV_RESULTS])
+            _end_training_process()
+        if not fitting:
+            return function(*args, **kwargs)  # after fit, in the launching process: a world of one
+        if self._supervised:
+            raise FaultToleranceError(
+                "lightning_ddpx fault tolerance: one trainer.fit() per script (the training processes run the "
+                "script again, up to its first fit); build a new script for another run."
+            )
+        self._supervised = True
+        with tempfile.TemporaryDirectory(prefix="ddpx-ft-") as directory:
+            path = os.path.join(directory, "results.pt")
+            code = supervise(self.num_processes, self.options, {ENV_RESULTS: path})
+            if not os.path.exists(path):
+                raise FaultToleranceError(
+                    f"lightning_ddpx fault tolerance: the training processes ended (exit code {code}) and none "
+                    "returned the trained model: every process was lost, or more were lost than replacements "
+                    "and min_ranks allow. Their logs say why."
+                )
+            return _recover_results(trainer, path)
+
+    @override
+    def kill(self, signum: Any) -> None:
+        """Nothing to kill here: the supervisor stops its children when the launching process is stopped."""
+
+
+class FabricFaultTolerantLauncher(lightning_compat.FabricLauncher):
+    """Fabric's launcher with ``fault_tolerance``: the launching process supervises the training processes,
+    then exits with their exit code (see the module's docstring)."""
+
+    def __init__(self, num_processes: int, options: FaultToleranceOptions) -> None:
+        self.num_processes, self.options = num_processes, options
+
+    @property
+    @override
+    def is_interactive_compatible(self) -> bool:
+        return False
+
+    @override
+    def launch(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
+        if in_training_process():
+            return function(*args, **kwargs)
+        code = supervise(self.num_processes, self.options, {})
+        sys.exit(code)
+
+
+def write_results(trainer: Any, results: Any, path: str) -> None:
+    """What the launching process's ``fit`` returns with, written atomically by the last rank 0; also the
+    loggers' versions, so that what the launching process logs afterwards (``trainer.test``) joins them."""
+    callback = trainer.checkpoint_callback
+    payload = {
+        "weights": {k: v.detach().cpu() for k, v in trainer.lightning_module.state_dict().items()},
+        "trainer_state": trainer.state,
+        "fit_loop": trainer.fit_loop.state_dict(),
+        "callback_metrics": {k: v.detach().cpu() for k, v in trainer.callback_metrics.items()},
+        "best_model_path": getattr(callback, "best_model_path", None),
+        "logger_versions": [logger.version for logger in lightning_compat.versioned_loggers(trainer)],
+        "results": results,
+    }
+    partial = f"{path}.partial-{os.getpid()}"
+    torch.save(payload, partial)
+    os.replace(partial, path)
+
+
+def _recover_results(trainer: Any, path: str) -> Any:
+    payload = torch.load(path, weights_only=False)  # written by this run's own training process
+    trainer.lightning_module.load_state_dict(payload["weights"])
+    trainer.state = payload["trainer_state"]
+    trainer.fit_loop.load_state_dict(payload["fit_loop"])
+    trainer.fit_loop.restarting = False  # the loaded counters describe a finished fit, not one to resume
+    trainer.callback_metrics.update(payload["callback_metrics"])
+    callback = trainer.checkpoint_callback
+    if (
+        callback is not None
+        and payload["best_model_path"] is not None
+        and hasattr(callback, "best_model_path")
+    ):
+        callback.best_model_path = payload["best_model_path"]
+    continue_loggers(trainer, payload["logger_versions"])  # what it logs after fit joins the run's logs
+    return payload["results"]
+
+
+def continue_loggers(trainer: Any, versions: list[Any]) -> None:
+    """Every process of a run logs into the same versions, and a process that becomes rank 0 later (or the
+    launching process after fit) appends to the metrics written before: Lightning's CSV writer deletes an
+    existing ``metrics.csv`` when it starts, so it gets one that continues the file instead."""
+    for logger, version in zip(lightning_compat.versioned_loggers(trainer), versions):
+        lightning_compat.pin_logger(logger, version)
+        if isinstance(logger, CSVLogger):
+            lightning_compat.pin_logger(logger, version, lightning_compat.ContinuingCSVWriter(logger.log_dir))
+
+
+def _end_training_process() -> None:
+    """A training process ends with ``fit``: the rest of the script runs in the launching process. Its
+    strategy already tore down (the process group is destroyed, the membership left); exit at once rather
+    than through the interpreter's finalisation, where a communication thread could still hold a tensor."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    logging.shutdown()
+    lightning_compat.exit_now(0)

@@ -1,0 +1,283 @@
+"""``fault_tolerance`` in a Lightning training process: a lost rank does not end ``trainer.fit``.
+
+The Trainer strategy keeps one :class:`TrainerFaultTolerance` and hands it the seams where a lost rank
+matters; the protocol itself (membership, votes, heals) is :class:`~lightning_ddpx.fault.FaultTolerance`'s.
+
+- **Steps.** Each optimizer step's closure (forward and backward) runs inside ``FaultTolerance.step()``; the
+  optimizer steps only if every member's collectives succeeded. A discarded step counts like a step whose
+  update was skipped (as AMP's inf/NaN check skips one): ``global_step`` moves, that batch's update is lost on
+  every member, and the loop goes on with the next batch.
+- **Epoch boundaries.** At each training epoch's start (when the fit loop sets the samplers' epoch, or at its
+  first batch without a sampler) the members pass :meth:`FaultTolerance.boundary`: replacements waiting are
+  admitted there, and only there, because that is where a Lightning checkpoint resumes exactly. The
+  lowest-ranked live peer sends the newcomer what ``trainer.save_checkpoint`` would write (module,
+  optimizers, schedulers, loops, callbacks, precision), which the newcomer's ``fit`` restores as from
+  ``ckpt_path``; the replicas are then verified bit-identical. The ``DistributedSampler`` of each training
+  loader is resharded over the new membership there, so from the next epoch on every sample is seen once
+  per epoch; within the epoch of a loss, the lost rank's remaining share is skipped.
+- **Between steps.** Lightning's barriers are no-ops; its broadcasts, reductions and gathers between steps
+  (checkpoint paths, ``self.log(sync_dist=True)`` in validation, early stopping's decision) give this
+  process's own value when the group failed, and the membership changes at the next step.
+- **Ranks.** ``trainer.global_rank``/``world_size`` and ``rank_zero_only`` follow the membership: after rank 0
+  is lost, the new rank 0 logs and writes checkpoints, into the same logger version (pinned at the start).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch.utils.data import DistributedSampler
+
+from lightning_ddpx.fault.manager import SUPPORTED_HOOKS, FaultTolerance
+from lightning_ddpx.fault.membership import Generation
+from lightning_ddpx.fault.options import FaultToleranceOptions
+from lightning_ddpx.lightning import _compat as lightning_compat
+from lightning_ddpx.lightning.fault_tolerance_launch import continue_loggers, join_run
+
+if TYPE_CHECKING:
+    from lightning_ddpx.lightning.config import DDPXConfig
+
+__all__ = ["CHECKPOINT_KEY", "TrainerFaultTolerance", "check_options", "check_trainer", "follow_rank"]
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_KEY = "lightning_ddpx_fault_tolerance"  # the membership that saved a checkpoint, for the record
+_LOGGER_VERSIONS_KEY = "ft/lightning/logger_versions"
+
+
+def check_options(config: "DDPXConfig") -> None:
+    """Refuse, by name, what cannot survive a membership change, when the strategy is built."""
+    hook = config.comm_hook
+    if hook is not None and not (isinstance(hook, str) and hook in SUPPORTED_HOOKS):
+        name = hook if isinstance(hook, str) else getattr(hook, "__name__", type(hook).__name__)
+        raise ValueError(
+            f"DDPXStrategy: fault_tolerance does not support comm_hook={name!r}; the supported hooks are "
+            f"{list(SUPPORTED_HOOKS)} (with or without comm_wrapper). PowerSGD, post-local SGD, DiLoCo and "
+            "your own hooks keep state across steps that a membership change would have to carry."
+        )
+    for name, refused in (
+        ("overlap_optimizer", config.overlap_optimizer),
+        ("model_averaging_period", config.model_averaging_period is not None),
+        ("comm_state", config.comm_state is not None),
+    ):
+        if refused:
+            raise ValueError(
+                f"DDPXStrategy: fault_tolerance cannot be combined with {name} (it updates or averages "
+                "parameters outside the step the members agree on)."
+            )
+    if config.uneven_inputs == "error":
+        raise ValueError(
+            "DDPXStrategy: fault_tolerance cannot be combined with uneven_inputs='error': every rank's "
+            "training loader is sharded by the membership (equal lengths), and a changed membership reshards it."
+        )
+
+
+def check_trainer(trainer: Any, backend: str) -> None:
+    """Refuse the Trainer settings fault tolerance cannot follow, before the first step."""
+    if backend != "gloo":
+        raise ValueError(
+            f"DDPXStrategy: fault_tolerance needs the gloo backend (process_group_backend='gloo'), got "
+            f"{backend!r}: only gloo's groups can be rebuilt after a lost rank."
+        )
+    if not trainer.lightning_module.automatic_optimization:
+        raise ValueError(
+            "DDPXStrategy: fault_tolerance supports automatic optimisation only: with manual optimisation the "
+            "strategy cannot tell where a step begins and ends."
+        )
+    if trainer.accumulate_grad_batches != 1:
+        raise ValueError(
+            f"DDPXStrategy: fault_tolerance does not support accumulate_grad_batches="
+            f"{trainer.accumulate_grad_batches}: the accumulating backward passes run outside the step the "
+            "members agree on."
+        )
+
+
+class TrainerFaultTolerance:
+    """What the Trainer strategy does differently with ``fault_tolerance`` (see the module's docstring)."""
+
+    def __init__(self, options: FaultToleranceOptions) -> None:
+        self.options = options
+        self.fault: Optional[FaultTolerance] = None  # in a training process, once it joined the run
+        self.trainer: Any = None
+        self._samplers: list[DistributedSampler] = []
+        self._boundary_epoch: Optional[int] = None  # the epoch whose start the members last passed
+        self._sharded_for: Optional[tuple[int, int]] = None  # (world size, rank) the samplers were built for
+        self._restored = False  # a newcomer's checkpoint was handed to its fit
+        self._logged: dict[str, float] = {}
+
+    # ------------------------------------------------------------------------------------------ join
+    def join(self, trainer: Any, environment: Any) -> FaultTolerance:
+        """Join the run (a training process): wait to be admitted, build the first group, take the
+        newcomer's checkpoint if this is one, and pin the loggers' versions to the run's."""
+        self.trainer = trainer
+        fault = join_run(self.options)
+        self.fault = environment.fault = fault
+        fault.generation_listeners.append(self._follow_ranks)
+        self._follow_ranks(fault.generation)
+        fault.use_state(self._dump, self._load)
+        fault.receive_state()
+        self._pin_logger_versions(fault)
+        return fault
+
+    def _follow_ranks(self, generation: Generation) -> None:
+        assert self.fault is not None
+        follow_rank(generation.rank_of(self.fault.uid))
+
+    def _pin_logger_versions(self, fault: FaultTolerance) -> None:
+        """Every process logs into the first rank 0's logger versions: after it is lost, the new rank 0
+        appends to the same directory instead of starting another."""
+        loggers = lightning_compat.versioned_loggers(self.trainer)
+        if not loggers:
+            return
+        store = fault.store
+        if fault.generation.number == 1 and fault.rank == 0:
+            store.compare_set(_LOGGER_VERSIONS_KEY, "", json.dumps([logger.version for logger in loggers]))
+        store.wait([_LOGGER_VERSIONS_KEY])
+        continue_loggers(self.trainer, json.loads(store.get(_LOGGER_VERSIONS_KEY)))
+
+    # ------------------------------------------------------------------------------------------ heal
+    def _dump(self) -> dict[str, Any]:
+        checkpoint = lightning_compat.dump_checkpoint(self.trainer)
+        checkpoint[CHECKPOINT_KEY] = self.membership_record()
+        return checkpoint
+
+    def _load(self, checkpoint: dict[str, Any]) -> None:
+        """A newcomer's fit restores this as from ``ckpt_path``. Sent again when a member was lost while the
+        newcomer was healed: the members have not stepped since, and the replica check proves it."""
+        if not self._restored:
+            lightning_compat.restore_on_fit(self.trainer, checkpoint)
+            self._restored = True
+
+    def membership_record(self) -> dict[str, Any]:
+        assert self.fault is not None
+        return {"generation": self.fault.generation.number, "world_size": self.fault.world_size}
+
+    # ---------------------------------------------------------------------------------- the epochs
+    def watch_samplers(self, dataloader: Any) -> None:
+        """Follow the training loader's ``DistributedSampler``: its ``set_epoch`` is each epoch's boundary."""
+        for sampler in _distributed_samplers(dataloader):
+            if any(sampler is known for known in self._samplers):
+                continue
+            self._samplers.append(sampler)
+            set_epoch = sampler.set_epoch
+
+            def set_epoch_at_boundary(epoch: int, _set_epoch: Callable[[int], None] = set_epoch) -> None:
+                self.epoch_boundary()
+                _set_epoch(epoch)
+
+            sampler.set_epoch = set_epoch_at_boundary  # type: ignore[method-assign]
+        self._sharded_for = None  # a loader built now is sharded by the current membership: check at start
+
+    def epoch_boundary(self) -> None:
+        """Once per training epoch, before its first batch, on every member: admit waiting replacements, then
+        reshard the samplers if the membership changed."""
+        fault, trainer = self.fault, self.trainer
+        if fault is None or trainer is None or self._boundary_epoch == trainer.current_epoch:
+            return
+        self._boundary_epoch = trainer.current_epoch
+        fault.boundary(admit=True)
+        self._reshard(fault)
+        self.log_membership(force=True)
+
+    def _reshard(self, fault: FaultTolerance) -> None:
+        shard = (fault.world_size, fault.rank)
+        if shard == self._sharded_for:
+            return
+        self._sharded_for = shard
+        for sampler in self._samplers:
+            _shard(sampler, *shard)
+        loop = self.trainer.fit_loop
+        combined = lightning_compat.train_combined_loader(self.trainer)
+        if combined is not None and self._samplers:
+            limits = [
+                lightning_compat.parse_num_batches(len(loader), self.trainer.limit_train_batches)
+                for loader in combined.flattened
+            ]
+            combined.limits = limits
+            loop.max_batches = len(combined)
+
+    # ----------------------------------------------------------------------------------- the steps
+    def optimizer_step(
+        self, step: Callable[[Callable[[], Any]], Any], closure: Callable[[], Any], batch_idx: int
+    ) -> Any:
+        """Run the closure inside a fault-tolerant step; ``step(closure)`` (the optimizer's) only if every
+        member's collectives succeeded."""
+        assert self.fault is not None
+        with self.fault.step(admit=False) as outcome:
+            loss = closure()
+        if not outcome.committed:
+            lightning_compat.discard_closure_result(closure)
+            log.warning(
+                "lightning_ddpx fault tolerance: the update of epoch %d, batch %d (global step %d) was "
+                "discarded on every member (%s); that batch's share of the data is skipped.",
+                self.trainer.current_epoch,
+                batch_idx,
+                self.trainer.global_step,
+                outcome.error or "a member was lost",
+            )
+            self.log_membership(force=True)
+            return None
+        result = step(lambda: loss)
+        self.log_membership(force=False)
+        return result
+
+    def log_membership(self, force: bool) -> None:
+        """The membership figures (``fault_tolerance/world_size``, ``failures``, ``last_recovery_s``, ...) to
+        the Trainer's loggers when they changed, and every ``log_every_n_steps``."""
+        fault, trainer = self.fault, self.trainer
+        if fault is None or trainer is None or not trainer.loggers:
+            return
+        metrics = fault.stats.metrics()
+        due = trainer.global_step % max(trainer.log_every_n_steps, 1) == 0
+        if not (force or due or metrics != self._logged):
+            return
+        self._logged = metrics
+        for logger in trainer.loggers:  # rank-zero-only: the current rank 0 writes
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    # ------------------------------------------------------------------------------ between steps
+    def between_steps(self, run: Callable[[], Any], fallback: Callable[[], Any]) -> Any:
+        """A collective of Lightning's between steps (see the module's docstring)."""
+        if self.fault is None or not dist.is_initialized():
+            return fallback()
+        return self.fault.outside_step(run, fallback)
+
+    def close(self) -> None:
+        if self.fault is not None:
+            self.fault.close()
+
+
+def follow_rank(rank: int) -> None:
+    """Lightning's ``rank_zero_only`` (its loggers', progress bar's and warnings' gate) at ``rank``: the
+    membership's rank of this process, which changes when the membership does."""
+    rank_zero_only.rank = fabric_rank_zero_only.rank = rank
+
+
+def _distributed_samplers(dataloader: Any) -> list[DistributedSampler]:
+    loaders = getattr(dataloader, "flattened", None) or [dataloader]
+    found = []
+    for loader in loaders:
+        for candidate in (
+            getattr(loader, "sampler", None),
+            getattr(getattr(loader, "batch_sampler", None), "sampler", None),
+        ):
+            if isinstance(candidate, DistributedSampler):
+                found.append(candidate)
+    return found
+
+
+def _shard(sampler: DistributedSampler, num_replicas: int, rank: int) -> None:
+    """``sampler`` as if built for ``num_replicas`` and ``rank`` (DistributedSampler's own arithmetic)."""
+    size = len(sampler.dataset)  # type: ignore[arg-type]
+    sampler.num_replicas, sampler.rank = num_replicas, rank
+    if sampler.drop_last and size % num_replicas:
+        sampler.num_samples = math.ceil((size - num_replicas) / num_replicas)
+    else:
+        sampler.num_samples = math.ceil(size / num_replicas)
+    sampler.total_size = sampler.num_samples * num_replicas

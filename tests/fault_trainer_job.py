@@ -1,0 +1,169 @@
+"""A fault-tolerant Lightning Trainer job for the tests: ``Trainer(devices=N, strategy=DDPXStrategy(fault_tolerance=...))``.
+
+    python tests/fault_trainer_job.py OUT_DIR
+
+Run by the user's process, ``fit`` starts the training processes under the supervisor and returns with the
+trained weights; the launching process then writes ``OUT_DIR/main.json`` (its ``global_step``, epoch and
+weights' digest and how many samples its ``trainer.test`` saw). Each training process appends, after every optimizer step it applies,
+``uid pid generation world_size global_step epoch batch digest`` to ``OUT_DIR/<uid>.log``.
+
+Environment: ``FAULT_JOB_KILL=uid:global_step:point`` makes training process ``uid`` SIGKILL itself at that
+global step, at ``forward`` (in ``training_step``), ``backward`` (from a gradient hook, buckets in flight),
+``optimizer`` (after the members committed the step, before it is applied) or ``save`` (inside a checkpoint
+save of ``ModelCheckpoint(every_n_train_steps=2)``). ``FAULT_JOB_DEVICES`` (3), ``FAULT_JOB_EPOCHS`` (3),
+``FAULT_JOB_REPLACEMENTS`` (1), ``FAULT_JOB_HOOK``, ``FAULT_JOB_PAUSE_S`` (per step while fewer than
+``FAULT_JOB_DEVICES`` members train: time for a replacement to start before the next epoch).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_ddpx import DDPXStrategy
+
+SAMPLES, BATCH = 96, 4
+
+
+def digest(module: nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in module.parameters():
+        h.update(p.detach().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class Job(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        kill = os.environ.get("FAULT_JOB_KILL", "")
+        self.kill_uid, step, self.kill_point = (
+            (kill.split(":") + ["", "", ""])[:3] if kill else ("", "-1", "")
+        )
+        self.kill_step = int(step or -1)
+        self.uid = os.environ.get("DDPX_FT_UID", "main")
+        self.tested = 0
+        if self.kill_point == "backward":
+            self.net[0].weight.register_hook(self._die_in_backward)
+
+    def _victim_at(self, point: str) -> bool:
+        return (
+            self.uid == self.kill_uid
+            and self.kill_point == point
+            and self._trainer is not None
+            and self.trainer.global_step == self.kill_step
+        )
+
+    def maybe_die(self, point: str) -> None:
+        if self._victim_at(point):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _die_in_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        self.maybe_die("backward")
+        return grad
+
+    def training_step(self, batch, batch_idx):
+        self.maybe_die("forward")
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        self.tested += len(batch[0])
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        self.maybe_die("optimizer")
+
+    def on_save_checkpoint(self, checkpoint) -> None:
+        self.maybe_die("save")
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        strategy = self.trainer.strategy
+        fault = strategy._fault.fault
+        with open(os.path.join(os.environ["FAULT_JOB_OUT"], f"{self.uid}.log"), "a") as log:
+            log.write(
+                f"{self.uid} {os.getpid()} {fault.generation.number} {fault.world_size} "
+                f"{self.trainer.global_step} {self.current_epoch} {batch_idx} {digest(self.net)}\n"
+            )
+        if fault.world_size < int(os.environ.get("FAULT_JOB_DEVICES", "3")):
+            time.sleep(float(os.environ.get("FAULT_JOB_PAUSE_S", "0")))
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)]
+
+    def _data(self) -> TensorDataset:
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(SAMPLES, 8, generator=g)
+        return TensorDataset(x, x.sum(dim=1, keepdim=True).sin())
+
+    def train_dataloader(self):
+        return DataLoader(self._data(), batch_size=BATCH, shuffle=True)
+
+    def val_dataloader(self):
+        return DataLoader(self._data(), batch_size=16)
+
+    def test_dataloader(self):
+        return DataLoader(self._data(), batch_size=16)
+
+
+def main() -> None:
+    out = sys.argv[1]
+    os.environ["FAULT_JOB_OUT"] = out
+    options = {
+        "replacements": int(os.environ.get("FAULT_JOB_REPLACEMENTS", "1")),
+        "heartbeat_timeout_s": 5.0,
+        "collective_timeout_s": 20.0,
+        "join_timeout_s": 120.0,
+    }
+    hook = os.environ.get("FAULT_JOB_HOOK") or None
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ.get("FAULT_JOB_DEVICES", "3")),
+        strategy=DDPXStrategy(fault_tolerance=options, comm_hook=hook),
+        max_epochs=int(os.environ.get("FAULT_JOB_EPOCHS", "3")),
+        logger=CSVLogger(out, name="logs"),
+        callbacks=[ModelCheckpoint(dirpath=os.path.join(out, "checkpoints"), every_n_train_steps=2)],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        num_sanity_val_steps=0,
+    )
+    model = Job()
+    trainer.fit(model)
+    fitted = digest(model.net)
+    trainer.test(model, verbose=False)  # after fit: once, in this process, on the trained weights
+    with open(os.path.join(out, "main.json"), "w") as f:
+        json.dump(
+            {
+                "pid": os.getpid(),
+                "global_step": trainer.global_step,
+                "epoch": trainer.current_epoch,
+                "digest": fitted,
+                "tested_samples": model.tested,
+                "status": str(trainer.state.status),
+                "best_model_path": trainer.checkpoint_callback.best_model_path,
+            },
+            f,
+        )
+
+
+if __name__ == "__main__":
+    main()

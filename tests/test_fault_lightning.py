@@ -1,0 +1,222 @@
+"""Fault tolerance through the Lightning strategies: ``Trainer(devices=3, strategy=DDPXStrategy(fault_tolerance=...))``.
+
+The process-level tests run tests/fault_trainer_job.py as a user would (``python script.py``): the process
+started supervises, three training processes train, one is SIGKILLed at a chosen point of a chosen step, a
+replacement is started and admitted at the next epoch's start. What they check:
+- ``fit`` returned in the process the user started, with the weights the training processes ended with;
+- the survivors went on in the same processes (one pid per log), and every process that applied a step
+  applied the same one (one parameter digest per global step over every log);
+- the replacement joined at an epoch's first batch, healed to the survivors' bits;
+- the loggers got the membership (one logger version, written by whichever process was rank 0).
+
+The fast tests check the option itself: what it refuses, by name, before any process starts.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from tests.dist_utils import free_port, job_env, run_job, run_jobs
+
+JOB = "tests/fault_trainer_job.py"
+EPOCHS, STEPS_PER_EPOCH = 4, 8  # 96 samples, batches of 4, over 3 ranks
+
+
+def run_trainer_job(tmp_path: Path, **env: str):
+    out = tmp_path / "out"
+    out.mkdir()
+    done = run_job(
+        [sys.executable, JOB, str(out)],
+        timeout=200,
+        env=job_env(
+            PYTHONWARNINGS="ignore",
+            DDPX_SHARED_MEMORY="0",
+            FAULT_JOB_PAUSE_S="0.5",  # per step while a member is missing: time for the replacement to start
+            FAULT_JOB_EPOCHS=str(EPOCHS),
+            **env,
+        ),
+    )
+    assert done.returncode == 0, f"--- stdout\n{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-6000:]}"
+    logs = {}
+    for path in sorted(out.glob("0*.log")):
+        logs[path.stem] = [line.split() for line in path.read_text().splitlines()]
+    return out, json.loads((out / "main.json").read_text()), logs, done.stderr
+
+
+def assert_one_training(logs: dict, main: dict) -> None:
+    digests: dict[int, set[str]] = defaultdict(set)
+    for uid, lines in logs.items():
+        assert len({line[1] for line in lines}) == 1, (
+            f"{uid} was restarted: {sorted({line[1] for line in lines})}"
+        )
+        for _, _, _, _, step, _, _, digest in lines:
+            digests[int(step)].add(digest)
+    split = {step: found for step, found in digests.items() if len(found) > 1}
+    assert not split, f"members applied different updates at global steps {split}"
+    assert main["global_step"] == EPOCHS * STEPS_PER_EPOCH
+    assert main["digest"] == digests[max(digests)].pop(), (
+        "fit() returned other weights than the training ended with"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(260)
+@pytest.mark.parametrize(
+    ("victim", "point", "hook"),
+    [
+        ("00000", "backward", ""),
+        ("00001", "forward", "fp16"),
+        ("00002", "optimizer", ""),
+        ("00000", "save", ""),
+    ],
+    ids=["rank0-backward", "middle-forward-fp16", "last-optimizer", "rank0-checkpoint-save"],
+)
+def test_a_trainer_survives_a_killed_process_and_heals_a_replacement(tmp_path, victim, point, hook):
+    out, main, logs, stderr = run_trainer_job(
+        tmp_path, FAULT_JOB_KILL=f"{victim}:2:{point}", FAULT_JOB_HOOK=hook
+    )
+    assert_one_training(logs, main)
+    assert "00003" in logs, "no replacement trained"
+    assert logs["00003"][0][6] == "0", f"the replacement joined mid-epoch: {logs['00003'][0]}"
+    assert int(logs[victim][-1][4]) <= 2 if victim in logs else True
+    survivors = {"00000", "00001", "00002"} - {victim}
+    for uid in survivors:
+        assert int(logs[uid][-1][4]) == EPOCHS * STEPS_PER_EPOCH, f"{uid} did not finish"
+    assert f"process {victim}" in stderr and "killed by SIGKILL" in stderr
+    assert "healed 00003" in stderr and "replicas verified" in stderr
+    # one logger version, the membership in it, written by rank 0 before and after the loss
+    (version,) = (out / "logs").iterdir()
+    rows = list(csv.DictReader((version / "metrics.csv").open()))
+    sizes = [row["fault_tolerance/world_size"] for row in rows if row.get("fault_tolerance/world_size")]
+    assert {"3.0", "2.0"} <= set(sizes) or point == "save", sizes
+    assert any(row.get("fault_tolerance/newcomers_healed") == "1.0" for row in rows)
+    assert max(int(row["step"]) for row in rows if row["step"]) >= EPOCHS * STEPS_PER_EPOCH - 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_without_a_failure_fit_returns_the_trained_model_in_the_launching_process(tmp_path):
+    out, main, logs, _ = run_trainer_job(tmp_path, FAULT_JOB_REPLACEMENTS="0")
+    assert sorted(logs) == ["00000", "00001", "00002"]
+    assert_one_training(logs, main)
+    assert main["status"] == "TrainerStatus.FINISHED"
+    assert Path(main["best_model_path"]).exists()
+    assert main["pid"] not in {
+        int(lines[0][1]) for lines in logs.values()
+    }  # the user's process trained nothing
+
+
+# ----------------------------------------------------------------------------- the option, no processes
+def test_the_option_is_in_both_strategies_signatures_and_takes_a_bool_or_a_dict():
+    import inspect
+
+    from lightning_ddpx import DDPXStrategy
+    from lightning_ddpx.fault import FaultToleranceOptions
+    from lightning_ddpx.lightning.fabric import DDPXStrategy as DDPXFabricStrategy
+
+    for cls in (DDPXStrategy, DDPXFabricStrategy):
+        assert inspect.signature(cls.__init__).parameters["fault_tolerance"].default is None  # off
+    assert DDPXStrategy().fault_tolerance is None
+    assert DDPXStrategy(fault_tolerance=False).fault_tolerance is None
+    assert DDPXStrategy(fault_tolerance=True).fault_tolerance == FaultToleranceOptions()
+    options = DDPXStrategy(fault_tolerance={"replacements": 2, "min_ranks": 2}).fault_tolerance
+    assert (options.replacements, options.min_ranks) == (2, 2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"comm_hook": "powersgd"}, "powersgd"),
+        ({"comm_hook": "post_local_sgd"}, "post_local_sgd"),
+        ({"overlap_optimizer": True}, "overlap_optimizer"),
+        ({"uneven_inputs": "error"}, "uneven_inputs"),
+        ({"fault_tolerance": {"replacement": 1}}, "replacements"),  # a typo names the valid options
+        ({"fault_tolerance": {"replacements": -1}}, "replacements"),
+        ({"fault_tolerance": "yes"}, "fault_tolerance"),
+    ],
+)
+def test_what_fault_tolerance_cannot_follow_is_refused_by_name_when_the_strategy_is_built(kwargs, named):
+    from lightning_ddpx import DDPXStrategy
+
+    kwargs = {"fault_tolerance": True, **kwargs}
+    with pytest.raises((ValueError, TypeError), match=named):
+        DDPXStrategy(**kwargs)
+
+
+def test_a_cluster_environment_of_its_own_is_refused():
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    from lightning_ddpx import DDPXStrategy
+
+    with pytest.raises(ValueError, match="cluster_environment=LightningEnvironment"):
+        DDPXStrategy(fault_tolerance=True, cluster_environment=LightningEnvironment())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_fabric_loop_survives_rank_0_killed_and_heals_a_replacement(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    steps = 30
+    done = run_job(
+        [sys.executable, "tests/fault_fabric_job.py", str(out), str(steps)],
+        timeout=180,
+        env=job_env(PYTHONWARNINGS="ignore", DDPX_SHARED_MEMORY="0", FAULT_JOB_KILL="00000:3"),
+    )
+    assert done.returncode == 0, f"--- stdout\n{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-6000:]}"
+    logs = {
+        path.stem: [line.split() for line in path.read_text().splitlines()] for path in out.glob("0*.log")
+    }
+    digests: dict[int, set[str]] = defaultdict(set)
+    for uid, lines in logs.items():
+        assert len({line[1] for line in lines}) == 1, f"{uid} was restarted"
+        for line in lines:
+            digests[int(line[4])].add(line[5])
+    assert all(len(found) == 1 for found in digests.values()), digests
+    assert sorted(digests) == list(
+        range(1, steps + 1)
+    )  # every step committed once, the discarded one retried
+    assert int(logs["00000"][-1][4]) == 3  # killed during its 4th step
+    assert "00003" in logs and int(logs["00003"][-1][4]) == steps, "the replacement was not healed"
+    assert "healed 00003" in done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_same_trainer_script_runs_across_machines_under_one_launcher_per_machine(tmp_path):
+    """Two launchers emulating two machines on 127.0.0.1 (node 0 hosts the store with two processes, node 1
+    connects with one) run the unchanged Trainer script; node 1's process is killed mid-backward."""
+    out = tmp_path / "out"
+    out.mkdir()
+    port = free_port()
+    launch = [sys.executable, "-m", "lightning_ddpx.fault.launch", "--world-size", "3"]
+    job = ["--", JOB, str(out)]
+    node0 = [*launch, "--nproc", "2", "--node-rank", "0", "--port", str(port), *job]
+    node1 = [*launch, "--nproc", "1", "--node-rank", "1", "--store", f"127.0.0.1:{port}", *job]
+    env = job_env(
+        PYTHONWARNINGS="ignore",
+        DDPX_SHARED_MEMORY="0",
+        FAULT_JOB_KILL="n1-00000:2:backward",
+        FAULT_JOB_EPOCHS="2",
+    )
+    done0, done1 = run_jobs([(node0, env), (node1, env)], timeout=200)
+    assert done0.returncode == 0, done0.stderr[-4000:]
+    assert done1.returncode == 1 and "killed by SIGKILL" in done1.stderr  # its only process was lost
+    logs = {
+        path.stem: [line.split() for line in path.read_text().splitlines()] for path in out.glob("n*.log")
+    }
+    digests: dict[int, set[str]] = defaultdict(set)
+    for lines in logs.values():
+        for line in lines:
+            digests[int(line[4])].add(line[7])
+    assert all(len(found) == 1 for found in digests.values()), digests
+    for uid in ("n0-00000", "n0-00001"):
+        assert int(logs[uid][-1][4]) == 2 * STEPS_PER_EPOCH, f"{uid} did not finish"
+    assert "lost n1-00000: killed by SIGKILL" in done0.stderr
+    assert not (out / "main.json").exists()  # no process of the user's returns from fit: the launchers ran it
