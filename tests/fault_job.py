@@ -4,7 +4,8 @@
 
 Each process trains the same small model (seed 0) with data keyed on (committed step, rank, world size), and
 appends, after every committed step, ``uid pid generation world_size step digest`` to ``OUT_DIR/<uid>.log``
-(the digest: a hash of the parameters' bytes). ``KILL`` = ``uid:step:point`` makes process ``uid`` kill
+(the digest: a hash of the parameters' bytes), and with PowerSGD ``step iteration digest`` of its shared
+state to ``OUT_DIR/<uid>.hook``. ``KILL`` = ``uid:step:point`` makes process ``uid`` kill
 itself with SIGKILL at attempt ``step`` (a committed-step count), at ``point``: ``forward``, ``backward``
 (from a gradient hook, buckets in flight), ``optimizer`` (after the step was committed, before it is
 applied), ``boundary`` (before the step starts), or ``save`` (inside ``save_checkpoint``, before its file
@@ -36,6 +37,14 @@ def digest(model: nn.Module) -> str:
     h = hashlib.sha256()
     for p in model.parameters():
         h.update(p.detach().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def hook_digest(shared: dict) -> str:
+    """A hash of PowerSGD's shared state: the seed generator and every warm-start Q."""
+    h = hashlib.sha256(shared["rng_state"].numpy().tobytes())
+    for index in sorted(shared["q"]):
+        h.update(shared["q"][index].numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -135,6 +144,10 @@ def main() -> None:
                     file=log,
                     flush=True,
                 )
+                shared = ft.hook_state_dict()  # PowerSGD's shared state: equal on every member, always
+                if shared is not None:
+                    with open(os.path.join(out_dir, f"{me}.hook"), "a") as hook_log:
+                        print(ft.steps_committed, shared["iteration"], hook_digest(shared), file=hook_log)
                 if checkpoint and every and ft.steps_committed % every == 0:
                     ft.save_checkpoint(checkpoint)
     print(f"{me} done: {ft.stats}", flush=True)

@@ -5,13 +5,14 @@
 Run by the user's process, ``fit`` starts the training processes under the supervisor and returns with the
 trained weights; the launching process then writes ``OUT_DIR/main.json`` (its ``global_step``, epoch and
 weights' digest and how many samples its ``trainer.test`` saw). Each training process appends, after every optimizer step it applies,
-``uid pid generation world_size global_step epoch batch digest`` to ``OUT_DIR/<uid>.log``.
+``uid pid generation world_size global_step epoch batch digest hook`` to ``OUT_DIR/<uid>.log`` (``hook``:
+PowerSGD's iteration and a digest of its shared state, or ``-``).
 
 Environment: ``FAULT_JOB_KILL=uid:global_step:point`` makes training process ``uid`` SIGKILL itself at that
 global step, at ``forward`` (in ``training_step``), ``backward`` (from a gradient hook, buckets in flight),
 ``optimizer`` (after the members committed the step, before it is applied) or ``save`` (inside a checkpoint
 save of ``ModelCheckpoint(every_n_train_steps=2)``). ``FAULT_JOB_DEVICES`` (3), ``FAULT_JOB_EPOCHS`` (3),
-``FAULT_JOB_REPLACEMENTS`` (1), ``FAULT_JOB_HOOK``, ``FAULT_JOB_PAUSE_S`` (per step while fewer than
+``FAULT_JOB_REPLACEMENTS`` (1), ``FAULT_JOB_HOOK`` (``powersgd``: compressing from step 2), ``FAULT_JOB_PAUSE_S`` (per step while fewer than
 ``FAULT_JOB_DEVICES`` members train: time for a replacement to start before the next epoch).
 """
 
@@ -32,6 +33,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ddpx import DDPXStrategy
+from tests.fault_job import hook_digest
 
 SAMPLES, BATCH = 96, 4
 
@@ -97,10 +99,12 @@ class Job(L.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         strategy = self.trainer.strategy
         fault = strategy._fault.fault
+        shared = fault.hook_state_dict()  # PowerSGD's shared state: equal on every member, always
+        hook = "-" if shared is None else f"{shared['iteration']}:{hook_digest(shared)}"
         with open(os.path.join(os.environ["FAULT_JOB_OUT"], f"{self.uid}.log"), "a") as log:
             log.write(
                 f"{self.uid} {os.getpid()} {fault.generation.number} {fault.world_size} "
-                f"{self.trainer.global_step} {self.current_epoch} {batch_idx} {digest(self.net)}\n"
+                f"{self.trainer.global_step} {self.current_epoch} {batch_idx} {digest(self.net)} {hook}\n"
             )
         if fault.world_size < int(os.environ.get("FAULT_JOB_DEVICES", "3")):
             time.sleep(float(os.environ.get("FAULT_JOB_PAUSE_S", "0")))
@@ -134,10 +138,13 @@ def main() -> None:
         "join_timeout_s": 120.0,
     }
     hook = os.environ.get("FAULT_JOB_HOOK") or None
+    # PowerSGD compressing from step 2 (of 8 per epoch): a discarded step is rolled back, a newcomer gets its
+    # shared state
+    powersgd = {"start_powerSGD_iter": 2, "matrix_approximation_rank": 1} if hook == "powersgd" else None
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ.get("FAULT_JOB_DEVICES", "3")),
-        strategy=DDPXStrategy(fault_tolerance=options, comm_hook=hook),
+        strategy=DDPXStrategy(fault_tolerance=options, comm_hook=hook, powersgd=powersgd),
         max_epochs=int(os.environ.get("FAULT_JOB_EPOCHS", "3")),
         logger=CSVLogger(out, name="logs"),
         callbacks=[ModelCheckpoint(dirpath=os.path.join(out, "checkpoints"), every_n_train_steps=2)],

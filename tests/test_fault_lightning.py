@@ -21,6 +21,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.dist_utils import free_port, job_env, run_job, run_jobs
 
@@ -50,17 +51,17 @@ def run_trainer_job(tmp_path: Path, **env: str):
 
 
 def assert_one_training(logs: dict, main: dict) -> None:
-    digests: dict[int, set[str]] = defaultdict(set)
+    digests: dict[int, set[tuple[str, str]]] = defaultdict(set)
     for uid, lines in logs.items():
         assert len({line[1] for line in lines}) == 1, (
             f"{uid} was restarted: {sorted({line[1] for line in lines})}"
         )
-        for _, _, _, _, step, _, _, digest in lines:
-            digests[int(step)].add(digest)
+        for _, _, _, _, step, _, _, digest, hook in lines:
+            digests[int(step)].add((digest, hook))  # parameters and PowerSGD's shared state
     split = {step: found for step, found in digests.items() if len(found) > 1}
     assert not split, f"members applied different updates at global steps {split}"
     assert main["global_step"] == EPOCHS * STEPS_PER_EPOCH
-    assert main["digest"] == digests[max(digests)].pop(), (
+    assert main["digest"] == digests[max(digests)].pop()[0], (
         "fit() returned other weights than the training ended with"
     )
 
@@ -72,10 +73,10 @@ def assert_one_training(logs: dict, main: dict) -> None:
     [
         ("00000", "backward", ""),
         ("00001", "forward", "fp16"),
-        ("00002", "optimizer", ""),
+        ("00002", "optimizer", "powersgd"),
         ("00000", "save", ""),
     ],
-    ids=["rank0-backward", "middle-forward-fp16", "last-optimizer", "rank0-checkpoint-save"],
+    ids=["rank0-backward", "middle-forward-fp16", "last-optimizer-powersgd", "rank0-checkpoint-save"],
 )
 def test_a_trainer_survives_a_killed_process_and_heals_a_replacement(tmp_path, victim, point, hook):
     out, main, logs, stderr = run_trainer_job(
@@ -97,6 +98,10 @@ def test_a_trainer_survives_a_killed_process_and_heals_a_replacement(tmp_path, v
     assert {"3.0", "2.0"} <= set(sizes) or point == "save", sizes
     assert any(row.get("fault_tolerance/newcomers_healed") == "1.0" for row in rows)
     assert max(int(row["step"]) for row in rows if row["step"]) >= EPOCHS * STEPS_PER_EPOCH - 1
+    if hook == "powersgd":  # compressing from step 2 on; its shared state in the checkpoints
+        saved = torch.load(next((out / "checkpoints").glob("*step=32.ckpt")), weights_only=False)
+        entry = saved["lightning_ddpx_fault_tolerance"]
+        assert entry["world_size"] == 3 and entry["hook"]["iteration"] >= 2 * STEPS_PER_EPOCH
 
 
 @pytest.mark.slow
@@ -132,7 +137,7 @@ def test_the_option_is_in_both_strategies_signatures_and_takes_a_bool_or_a_dict(
 @pytest.mark.parametrize(
     ("kwargs", "named"),
     [
-        ({"comm_hook": "powersgd"}, "powersgd"),
+        ({"comm_hook": "diloco"}, "diloco"),
         ({"comm_hook": "post_local_sgd"}, "post_local_sgd"),
         ({"overlap_optimizer": True}, "overlap_optimizer"),
         ({"uneven_inputs": "error"}, "uneven_inputs"),

@@ -190,13 +190,65 @@ def test_a_stateless_hook_follows_the_new_membership(tmp_path, hook):
     assert "healed 00003 from 00000" in done.stderr and logs["00003"][-1][3] == 16
 
 
+POWERSGD = {"powersgd": {"start_powerSGD_iter": 2, "matrix_approximation_rank": 1}}
+
+
+def _hook_logs(out: Path) -> dict[str, list[tuple[int, int, str]]]:
+    return {
+        path.stem: [(int(step), int(iteration), digest) for step, iteration, digest in map(str.split, lines)]
+        for path in sorted(out.glob("*.hook"))
+        for lines in [path.read_text().splitlines()]
+    }
+
+
+def assert_same_hook_state(out: Path, steps: int) -> None:
+    """PowerSGD's shared state (iteration, seed generator, warm-start Q) equal on every process at every
+    step, and its iteration one per committed step: no discarded step moved it, a newcomer got it."""
+    by_step: dict[int, set[tuple[int, str]]] = defaultdict(set)
+    for rows in _hook_logs(out).values():
+        for step, iteration, digest in rows:
+            by_step[step].add((iteration, digest))
+    assert sorted(by_step) == list(range(1, steps + 1))
+    for step, found in by_step.items():
+        assert len(found) == 1, f"PowerSGD's shared state differs between members after step {step}: {found}"
+        assert next(iter(found))[0] == step
+
+
+@pytest.mark.parametrize("hook", ["powersgd", "batched_powersgd"])
+def test_powersgd_follows_the_new_membership_and_a_newcomer_gets_its_shared_state(tmp_path, hook):
+    done, logs = run_fault_job(
+        tmp_path,
+        kill="00002:4:backward",  # compressing since step 2: buckets of the failed step were compressed
+        replacements=1,
+        steps=16,
+        pause_s=1.0,
+        hook=hook,
+        FAULT_JOB_FULL_WORLD="3",
+        FAULT_JOB_DDP_OPTIONS=json.dumps(POWERSGD),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_consistent(logs, ["00000", "00001"], steps=16)
+    assert "healed 00003 from 00000" in done.stderr and logs["00003"][-1][3] == 16
+    assert_same_hook_state(tmp_path / "logs", 16)
+
+
+def test_a_discarded_powersgd_step_is_rolled_back_on_every_member(tmp_path):
+    done, logs = run_fault_job(
+        tmp_path, kill="00001:5:raise", hook="powersgd", FAULT_JOB_DDP_OPTIONS=json.dumps(POWERSGD)
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_consistent(logs, ["00000", "00001", "00002"])
+    assert done.stderr.count("step 5 discarded on every member of generation 1") == 3
+    assert_same_hook_state(tmp_path / "logs", STEPS)
+
+
 REFUSALS = """
 import torch
 from torch import nn
 from lightning_ddpx.fault import FaultTolerance
 
 ft = FaultTolerance()
-for name in ("powersgd", "post_local_sgd", "diloco"):
+for name in ("post_local_sgd", "diloco"):
     try:
         ft.wrap(nn.Linear(2, 2), comm_hook=name)
     except ValueError as error:
@@ -218,9 +270,10 @@ def test_what_cannot_survive_a_membership_change_is_refused_by_name_before_the_f
     script.write_text(REFUSALS)
     done = run_job([*LAUNCH[:-1], "1", "--", str(script)], timeout=120, env=job_env())
     assert done.returncode == 0, done.stderr[-3000:]
-    for name in ("powersgd", "post_local_sgd", "diloco"):
+    for name in ("post_local_sgd", "diloco"):
         assert f"refused: lightning_ddpx fault tolerance: comm_hook {name!r} is not supported" in done.stdout
-    assert "the supported hooks are ['allreduce', 'bf16', 'fp16', 'noop']" in done.stdout
+    supported = "['allreduce', 'bf16', 'fp16', 'noop', 'powersgd', 'batched_powersgd']"
+    assert f"the supported hooks are {supported}" in done.stdout
     assert "refused: lightning_ddpx fault tolerance: the optimizer overlap" in done.stdout
 
 

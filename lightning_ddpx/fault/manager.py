@@ -49,6 +49,7 @@ from torch import nn
 from lightning_ddpx.engine.agreement.errors import CommunicationError, as_communication_error
 from lightning_ddpx.engine.module.data_parallel import DistributedDataParallel
 from lightning_ddpx.fault.commit import ABORT, COMMIT_AND_ADMIT, vote
+from lightning_ddpx.fault.hook_state import HookState
 from lightning_ddpx.fault.launch_env import LaunchInfo, connect, launch_info_from_environment
 from lightning_ddpx.fault.membership import FaultToleranceError, Generation, Membership, RunEnded
 from lightning_ddpx.fault.options import FaultToleranceOptions
@@ -60,8 +61,10 @@ log = logging.getLogger("lightning_ddpx.fault")
 
 _Result = TypeVar("_Result")
 
-# Hooks whose only state is the default process group, which each membership rebuilds.
-SUPPORTED_HOOKS = ("allreduce", "bf16", "fp16", "noop")
+# Hooks that follow a membership change: the stateless ones (their only state is the default group, which
+# each membership rebuilds) and PowerSGD, whose shared state is rolled back and handed on
+# (lightning_ddpx.fault.hook_state).
+SUPPORTED_HOOKS = ("allreduce", "bf16", "fp16", "noop", "powersgd", "batched_powersgd")
 
 
 @dataclass
@@ -134,6 +137,8 @@ class FaultTolerance:
         self.stats = FaultToleranceStats()
         self.model: DistributedDataParallel | None = None
         self._hook: tuple[Any, Any] | None = None  # (state, hook) from wrap(comm_hook=...)
+        self._hook_state = HookState(None)  # its state across discarded steps and new generations
+        self._pending_hook_shared: dict[str, Any] | None = None  # received before the hook existed
         self._checked = False  # the model's set-up refused or accepted, at the first step
         self._tracked: list[Any] = []
         self.steps_committed = 0
@@ -167,11 +172,13 @@ class FaultTolerance:
         *,
         comm_hook: str | None = None,
         comm_wrapper: str | None = None,
+        powersgd: Any = None,
         **ddp_options: Any,
     ) -> DistributedDataParallel:
         """``module`` in our :class:`~lightning_ddpx.DistributedDataParallel` over the current members, with
         the communication hook named ``comm_hook`` (one of :data:`SUPPORTED_HOOKS`, optionally cast by
-        ``comm_wrapper``: ``"fp16"``/``"bf16"``). No collective here: the first :meth:`step` makes the replicas
+        ``comm_wrapper``: ``"fp16"``/``"bf16"``; ``powersgd``: PowerSGD's options, a ``PowerSGDOptions`` or a
+        dict). No collective here: the first :meth:`step` makes the replicas
         equal (rank 0's at the start, a survivor's for a newcomer)."""
         for refused in ("process_group", "init_sync"):
             if refused in ddp_options:
@@ -185,7 +192,7 @@ class FaultTolerance:
                 "lightning_ddpx fault tolerance: wrap() was already called; one model per run."
             )
         model = DistributedDataParallel(module, init_sync=False, **ddp_options)
-        return self.attach(model, comm_hook=comm_hook, comm_wrapper=comm_wrapper)
+        return self.attach(model, comm_hook=comm_hook, comm_wrapper=comm_wrapper, powersgd=powersgd)
 
     def attach(
         self,
@@ -193,6 +200,7 @@ class FaultTolerance:
         *,
         comm_hook: str | None = None,
         comm_wrapper: str | None = None,
+        powersgd: Any = None,
         synchronized: bool = False,
     ) -> DistributedDataParallel:
         """Make ``model``, built by the caller over the current generation's group, the run's model (what
@@ -207,8 +215,12 @@ class FaultTolerance:
         self.model = model
         model.failure_report_wait_s = 0.0  # a lost rank writes no final record: do not wait for one
         if comm_hook is not None:
-            self._hook = build_comm_hook(comm_hook, wrapper=comm_wrapper)
+            options = {"powersgd": powersgd} if powersgd is not None else {}
+            self._hook = build_comm_hook(comm_hook, wrapper=comm_wrapper, **options)
             model.register_comm_hook(*self._hook)
+            self._hook_state = HookState(self._hook[0])
+            self._hook_state.load_shared(self._pending_hook_shared)
+            self._pending_hook_shared = None
         if synchronized and self.generation.number == 1 and self._heal_due:
             self._skip_transfer = True
         return model
@@ -265,6 +277,7 @@ class FaultTolerance:
             _refuse_unsupported(self.model, self._hook is not None)
             self._checked = True
         self._at_boundary(admit)
+        self._hook_state.before_step()
         outcome = StepOutcome()
         self._stepping = True
         try:
@@ -290,6 +303,7 @@ class FaultTolerance:
             if decision == COMMIT_AND_ADMIT:
                 self._admission_waiting = True
         else:
+            self._hook_state.after_discarded_step()  # the same shared hook state on every member again
             self.stats.failures += 1
             self._failed_at = self._failed_at or time.monotonic()
             cause = outcome.error if outcome.error is not None else "a member was lost before voting"
@@ -410,6 +424,7 @@ class FaultTolerance:
                 current, reason = generation, f"a member of generation {generation.number} did not arrive"
         if self.model is not None:
             self.model.use_process_group(dist.group.WORLD, comm_hook=self._hook)
+        self._hook_state.after_regroup()
         self._heal_due = bool(generation.newcomers)
         self._skip_transfer = False  # a newcomer healed early takes part again: the sources send again
 
@@ -473,11 +488,13 @@ class FaultTolerance:
     # ---------------------------------------------------------------------------------- the state
     def state_dict(self) -> dict[str, Any]:
         """What a newcomer receives and a checkpoint holds: the module's parameters and buffers, every
-        tracked object's state, the step counter, and (for the record) the membership that saved it."""
+        tracked object's state, the hook's shared state (PowerSGD's; not its per-rank error feedback), the
+        step counter, and (for the record) the membership that saved it."""
         assert self.model is not None, "call wrap(module) first"
         return {
             "module": self.model.module.state_dict(),
             "tracked": [obj.state_dict() for obj in self._tracked],
+            "hook": self.hook_state_dict(),
             "steps_committed": self.steps_committed,
             "membership": {"generation": self.generation.number, "world_size": self.world_size},
         }
@@ -493,6 +510,7 @@ class FaultTolerance:
         self.model.module.load_state_dict(state["module"])
         for obj, obj_state in zip(self._tracked, state["tracked"]):
             obj.load_state_dict(obj_state)
+        self.load_hook_state_dict(state.get("hook"))
         self.steps_committed = int(state["steps_committed"])
 
     def save_checkpoint(self, path: str | os.PathLike) -> bool:
@@ -534,16 +552,30 @@ class FaultTolerance:
         )
         return True
 
+    def hook_state_dict(self) -> dict[str, Any] | None:
+        """The hook's shared state (PowerSGD's iteration, seed generator, warm-start Q), for a checkpoint;
+        ``None`` for a stateless hook."""
+        return self._hook_state.shared()
+
+    def load_hook_state_dict(self, shared: dict[str, Any] | None) -> None:
+        """Adopt :meth:`hook_state_dict`'s output (a resumed checkpoint's); error feedback starts at zero."""
+        if self._hook is None:
+            self._pending_hook_shared = shared  # applied when attach() registers the hook
+        else:
+            self._hook_state.load_shared(shared)
+
     def _state(self) -> bytes:
         buffer = io.BytesIO()
-        torch.save(self._dump_state(), buffer)
+        torch.save({"state": self._dump_state(), "hook": self.hook_state_dict()}, buffer)
         return buffer.getvalue()
 
     def _load(self, data: bytes) -> None:
         # a custom state (a Lightning checkpoint) may hold objects weights_only refuses; it comes from a peer
         # of the same run, as trusted as a checkpoint the run wrote
         default = self._load_state == self.load_state_dict
-        self._load_state(torch.load(io.BytesIO(data), weights_only=default))
+        payload = torch.load(io.BytesIO(data), weights_only=default)
+        self.load_hook_state_dict(payload["hook"])
+        self._load_state(payload["state"])
 
     def _note(self, message: str) -> None:
         self.stats.events.append(message)
@@ -566,9 +598,8 @@ def _check_hook(comm_hook: str | None, comm_wrapper: str | None) -> None:
     if comm_hook is not None and comm_hook not in SUPPORTED_HOOKS:
         raise ValueError(
             f"lightning_ddpx fault tolerance: comm_hook {comm_hook!r} is not supported with fault tolerance; "
-            f"the supported hooks are {list(SUPPORTED_HOOKS)} (their state is the default group, which each "
-            "membership rebuilds). PowerSGD, post-local SGD and DiLoCo keep per-rank and shared state across "
-            "steps that a membership change would have to carry, and are refused rather than half-working."
+            f"the supported hooks are {list(SUPPORTED_HOOKS)}. Post-local SGD and DiLoCo average parameters "
+            "outside the steps the members agree on, and are refused rather than half-working."
         )
     if comm_wrapper is not None and comm_hook is None:
         raise ValueError("lightning_ddpx fault tolerance: comm_wrapper needs a comm_hook to wrap.")

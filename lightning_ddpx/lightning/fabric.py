@@ -213,9 +213,14 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             )
             config = self.ddpx_config
             fault.attach(
-                wrapped, comm_hook=config.comm_hook, comm_wrapper=config.comm_wrapper, synchronized=first
+                wrapped,
+                comm_hook=config.comm_hook,
+                comm_wrapper=config.comm_wrapper,
+                powersgd=config.powersgd,
+                synchronized=first,
             )
             self._modules.add(wrapped)
+            self._replicas.track(wrapped)
             return wrapped
         wrapped = self.ddpx_config.wrap(module, device_ids=ddp_device_ids(self.root_device))
         self.ddpx_config.register_hook(wrapped)
@@ -299,7 +304,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             if post_local_sgd_setup.owns_params(module, optimizer):
                 post_local_sgd_setup.check_optimizers([optimizer])
                 post_local_sgd_setup.average_after_step(module, self._optimizers)
-        self._replicas.after_optimizer_step()
+        self._between_steps(self._replicas.after_optimizer_step, None)  # a collective between steps
         return output
 
     @override

@@ -58,8 +58,9 @@ def check_options(config: "DDPXConfig") -> None:
         name = hook if isinstance(hook, str) else getattr(hook, "__name__", type(hook).__name__)
         raise ValueError(
             f"DDPXStrategy: fault_tolerance does not support comm_hook={name!r}; the supported hooks are "
-            f"{list(SUPPORTED_HOOKS)} (with or without comm_wrapper). PowerSGD, post-local SGD, DiLoCo and "
-            "your own hooks keep state across steps that a membership change would have to carry."
+            f"{list(SUPPORTED_HOOKS)} (with or without comm_wrapper). Post-local SGD and DiLoCo average "
+            "parameters outside the steps the members agree on; your own hooks keep state the fault "
+            "tolerance cannot roll back or hand on."
         )
     for name, refused in (
         ("overlap_optimizer", config.overlap_optimizer),
@@ -155,8 +156,19 @@ class TrainerFaultTolerance:
             self._restored = True
 
     def membership_record(self) -> dict[str, Any]:
+        """What a checkpoint records: the generation and world size that saved it, and the hook's shared
+        state (PowerSGD's; its per-rank error feedback starts from zero on resume)."""
         assert self.fault is not None
-        return {"generation": self.fault.generation.number, "world_size": self.fault.world_size}
+        return {
+            "generation": self.fault.generation.number,
+            "world_size": self.fault.world_size,
+            "hook": self.fault.hook_state_dict(),
+        }
+
+    def resume(self, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint loaded with ``ckpt_path``: its hook state, once the hook exists."""
+        if self.fault is not None:
+            self.fault.load_hook_state_dict((checkpoint.get(CHECKPOINT_KEY) or {}).get("hook"))
 
     # ---------------------------------------------------------------------------------- the epochs
     def watch_samplers(self, dataloader: Any) -> None:

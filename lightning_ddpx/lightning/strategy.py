@@ -356,6 +356,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
                 self.model,
                 comm_hook=config.comm_hook,  # a name: check_options refused the rest
                 comm_wrapper=config.comm_wrapper,
+                powersgd=config.powersgd,
                 synchronized=fault.generation.number == 1,
             )
             return
@@ -553,6 +554,9 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         checkpoint = super().load_checkpoint(
             checkpoint_path, **lightning_compat.weights_only_argument(weights_only)
         )
+        if self._fault is not None:  # the hook's shared state is the fault tolerance's entry
+            self._fault.resume(checkpoint)
+            return checkpoint
         self._take_local_replica(checkpoint)
         self._pending_hook_entry = (checkpoint.get(checkpoint_state.CHECKPOINT_KEY),)
         if isinstance(self.model, DistributedDataParallel):  # already set up: apply now

@@ -280,30 +280,35 @@ class PowerSGDState:
     # ----------------------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, dict[str, Any]]:
         """``{"shared": ..., "per_rank": ...}`` of tensors (copies) and plain values; see the class doc."""
+        return {
+            "shared": self.shared_state_dict(),
+            "per_rank": {
+                "error": {index: e.detach().clone() for index, e in self.per_rank.error.items()},
+                "error_pool": {name: e.detach().clone() for name, e in self.per_rank.error_pool.items()},
+            },
+        }
+
+    def shared_state_dict(self) -> dict[str, Any]:
+        """The ``shared`` part of :meth:`state_dict` alone (small: no error feedback), e.g. for a newcomer to
+        a fault-tolerant run, whose own error feedback starts from zero."""
         shared = self.shared
         _, keys, position, has_gauss, gauss = shared.rng.get_state(legacy=True)
         rng_state = torch.tensor([*keys.tolist(), int(position), int(has_gauss)], dtype=torch.int64)
         return {
-            "shared": {
-                "version": _STATE_DICT_VERSION,
-                "options": asdict(self.options),
-                "iteration": shared.iteration,
-                "rng_state": rng_state,
-                "rng_gauss": float(gauss),
-                "q": {index: q.detach().clone() for index, q in shared.q.items()},
-                "layout": {index: list(signature) for index, signature in shared.layout.items()},
-                "names": {index: list(names) for index, names in shared.names.items()},
-                "q_pool": {name: q.detach().clone() for name, q in shared.q_pool.items()},
-                "stats": {
-                    "numel_before": shared.numel_before,
-                    "numel_after": shared.numel_after,
-                    "per_bucket": {index: list(c) for index, c in shared.per_bucket.items()},
-                    "next_report": shared.next_stats_report,
-                },
-            },
-            "per_rank": {
-                "error": {index: e.detach().clone() for index, e in self.per_rank.error.items()},
-                "error_pool": {name: e.detach().clone() for name, e in self.per_rank.error_pool.items()},
+            "version": _STATE_DICT_VERSION,
+            "options": asdict(self.options),
+            "iteration": shared.iteration,
+            "rng_state": rng_state,
+            "rng_gauss": float(gauss),
+            "q": {index: q.detach().clone() for index, q in shared.q.items()},
+            "layout": {index: list(signature) for index, signature in shared.layout.items()},
+            "names": {index: list(names) for index, names in shared.names.items()},
+            "q_pool": {name: q.detach().clone() for name, q in shared.q_pool.items()},
+            "stats": {
+                "numel_before": shared.numel_before,
+                "numel_after": shared.numel_after,
+                "per_bucket": {index: list(c) for index, c in shared.per_bucket.items()},
+                "next_report": shared.next_stats_report,
             },
         }
 

@@ -1,0 +1,53 @@
+"""A communication hook's state across discarded steps and membership changes.
+
+The stateless hooks (allreduce, fp16, bf16, noop) keep nothing but the default group, which each
+generation rebuilds. PowerSGD (and batched PowerSGD) keep two kinds of state
+(:class:`~lightning_ddpx.hooks.PowerSGDState`):
+
+- **shared**, equal on every member: the iteration (when compression starts), the generator of the Q seeds,
+  the warm-start Q of each bucket. A step that fails part-way may have moved it on some members and not on
+  others, so it is snapshotted before each step and put back on every member when the step is discarded;
+  a newcomer receives it from the live peer that heals it.
+- **per rank**: the error feedback. It differs between ranks by design; after a discarded step (whose
+  residuals were never applied) it restarts from zero on every member, as it starts on a newcomer.
+
+Each generation also drops the hook's per-bucket work buffers, which hold the old world size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_ddpx.hooks.powersgd.state import PowerSGDState
+
+__all__ = ["HookState"]
+
+
+class HookState:
+    """The fault tolerance's handle on one registered hook state (``None`` for the stateless hooks)."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state if isinstance(state, PowerSGDState) else None
+        self._before_step: dict[str, Any] | None = None
+
+    def before_step(self) -> None:
+        if self.state is not None:
+            self._before_step = self.state.shared_state_dict()
+
+    def after_discarded_step(self) -> None:
+        """Every member back to the shared state of before the step; error feedback from zero."""
+        if self.state is not None and self._before_step is not None:
+            self.state.load_state_dict({"shared": self._before_step, "per_rank": {}})
+
+    def after_regroup(self) -> None:
+        if self.state is not None:
+            self.state.runtime.clear()  # plans and buffers sized for the old world
+
+    def shared(self) -> dict[str, Any] | None:
+        """What a newcomer (or a checkpoint) gets: the shared part only."""
+        return self.state.shared_state_dict() if self.state is not None else None
+
+    def load_shared(self, shared: dict[str, Any] | None) -> None:
+        """Adopt a live peer's (or a checkpoint's) shared state; this process's error feedback starts at zero."""
+        if self.state is not None and shared is not None:
+            self.state.load_state_dict({"shared": shared, "per_rank": {}})
