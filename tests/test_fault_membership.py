@@ -7,6 +7,7 @@ in a second and need no process group; tests/test_fault_tolerance.py runs the re
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -157,6 +158,29 @@ def test_a_joiner_arriving_after_the_run_ended_is_told_so(server):
     late.register()
     with pytest.raises(RunEnded, match="the run ended"):
         late.wait_for_admission(1)
+
+
+def test_a_joiner_waits_past_join_timeout_while_the_run_trains_and_stops_when_its_members_are_gone(server):
+    a, late = membership(server, "a"), membership(server, "z", join_timeout_s=0.3, heartbeat_timeout_s=0.5)
+    a.propose(Generation(1, ("a",), (), 1, "start"))
+    late.register()
+    beating = threading.Event()
+
+    def heartbeat():  # member a trains: its heartbeat moves for 2 s, then it is gone
+        store = client(server)
+        for _ in range(40):
+            store.add("ft/heartbeat/a", 1)
+            time.sleep(0.05)
+        beating.set()
+
+    thread = threading.Thread(target=heartbeat)
+    thread.start()
+    started = time.monotonic()
+    with pytest.raises(FaultToleranceError, match="none of its members is alive any more"):
+        late.wait_for_admission(1)
+    waited = time.monotonic() - started
+    thread.join()
+    assert beating.is_set() and waited >= 2.0, waited  # waited while a lived, far past join_timeout_s
 
 
 def test_a_joiner_not_admitted_in_time_is_told_why(server):

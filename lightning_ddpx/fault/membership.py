@@ -210,7 +210,9 @@ class Membership:
 
     def wait_for_admission(self, initial_world_size: int) -> Generation:
         """Block until a generation with this process forms (the first one, or one the members propose at a
-        step boundary); raise :class:`FaultToleranceError` after ``join_timeout_s``."""
+        step boundary); raise :class:`FaultToleranceError` after ``join_timeout_s`` without progress. While
+        the run trains (a member of its latest generation is alive), a joiner keeps waiting: the Trainer
+        strategy admits newcomers at an epoch's start only, which may be longer away than that."""
         started = time.monotonic()
         while True:
             latest = self.latest()
@@ -228,12 +230,19 @@ class Membership:
                 if first is not None and self.uid in first.members:
                     return first
             if time.monotonic() - started > self.join_timeout_s:
+                if latest and self._any_member_alive(latest):
+                    started = time.monotonic()  # the run is training: its next admission will come
+                    continue
                 raise FaultToleranceError(
                     f"lightning_ddpx fault tolerance: process {self.uid} was not admitted into the run within "
                     f"join_timeout_s={self.join_timeout_s:g} s (latest generation: {latest or 'none'}). The "
-                    "members admit newcomers at a step boundary: is the run still training?"
+                    "run did not start, or none of its members is alive any more."
                 )
             time.sleep(POLL_S)
+
+    def _any_member_alive(self, number: int) -> bool:
+        record = self.record(number)
+        return record is not None and any(self.lost_reason(uid) is None for uid in record.members)
 
     def _maybe_propose_first(self, initial: int, waited_s: float) -> Generation | None:
         count = self.joiner_count()

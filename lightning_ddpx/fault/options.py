@@ -26,8 +26,8 @@ class FaultToleranceOptions:
             marked lost as soon as they exit.
         collective_timeout_s: the process groups' timeout: how long a collective waits for a peer that
             neither answers nor closes its connection.
-        join_timeout_s: how long a process waits to be admitted into the run, and a new group for all of
-            its members to arrive.
+        join_timeout_s: how long a process waits for the run to form (a joiner of a running run waits as
+            long as one of its members is alive), and a new group for all of its members to arrive.
         replacements: how many replacement processes the strategies' launcher starts, one per process lost
             (the command-line launcher takes ``--replacements`` instead).
     """
