@@ -12,7 +12,7 @@ Environment: ``FAULT_JOB_KILL=uid:global_step:point`` makes training process ``u
 global step, at ``forward`` (in ``training_step``), ``backward`` (from a gradient hook, buckets in flight),
 ``optimizer`` (after the members committed the step, before it is applied) or ``save`` (inside a checkpoint
 save of ``ModelCheckpoint(every_n_train_steps=2)``). ``FAULT_JOB_DEVICES`` (3), ``FAULT_JOB_EPOCHS`` (3),
-``FAULT_JOB_REPLACEMENTS`` (1), ``FAULT_JOB_HOOK`` (``powersgd``: compressing from step 2), ``FAULT_JOB_PAUSE_S`` (per step while fewer than
+``FAULT_JOB_RESUME`` (a checkpoint for ``fit(ckpt_path=...)``), ``FAULT_JOB_REPLACEMENTS`` (1), ``FAULT_JOB_HOOK`` (``powersgd``: compressing from step 2), ``FAULT_JOB_PAUSE_S`` (per step while fewer than
 ``FAULT_JOB_DEVICES`` members train: time for a replacement to start before the next epoch).
 """
 
@@ -154,7 +154,7 @@ def main() -> None:
         num_sanity_val_steps=0,
     )
     model = Job()
-    trainer.fit(model)
+    trainer.fit(model, ckpt_path=os.environ.get("FAULT_JOB_RESUME") or None)
     fitted = digest(model.net)
     trainer.test(model, verbose=False)  # after fit: once, in this process, on the trained weights
     with open(os.path.join(out, "main.json"), "w") as f:

@@ -31,16 +31,18 @@ EPOCHS, STEPS_PER_EPOCH = 4, 8  # 96 samples, batches of 4, over 3 ranks
 
 def run_trainer_job(tmp_path: Path, **env: str):
     out = tmp_path / "out"
-    out.mkdir()
+    out.mkdir(parents=True)
     done = run_job(
         [sys.executable, JOB, str(out)],
         timeout=200,
         env=job_env(
-            PYTHONWARNINGS="ignore",
-            DDPX_SHARED_MEMORY="0",
-            FAULT_JOB_PAUSE_S="0.5",  # per step while a member is missing: time for the replacement to start
-            FAULT_JOB_EPOCHS=str(EPOCHS),
-            **env,
+            **{
+                "PYTHONWARNINGS": "ignore",
+                "DDPX_SHARED_MEMORY": "0",
+                "FAULT_JOB_PAUSE_S": "0.5",  # per step while a member is missing: time for a replacement
+                "FAULT_JOB_EPOCHS": str(EPOCHS),
+                **env,
+            }
         ),
     )
     assert done.returncode == 0, f"--- stdout\n{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-6000:]}"
@@ -225,3 +227,36 @@ def test_the_same_trainer_script_runs_across_machines_under_one_launcher_per_mac
         assert int(logs[uid][-1][4]) == 2 * STEPS_PER_EPOCH, f"{uid} did not finish"
     assert "lost n1-00000: killed by SIGKILL" in done0.stderr
     assert not (out / "main.json").exists()  # no process of the user's returns from fit: the launchers ran it
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_fault_tolerant_checkpoint_resumes_at_another_world_size_with_powersgds_shared_state(tmp_path):
+    """Three processes save (rank 0 of the membership writes; the checkpoint records the world size and
+    PowerSGD's shared state); two resume it with ckpt_path and continue its global step and iteration."""
+    first, main, logs, _ = run_trainer_job(
+        tmp_path / "three", FAULT_JOB_HOOK="powersgd", FAULT_JOB_EPOCHS="2", FAULT_JOB_REPLACEMENTS="0"
+    )
+    checkpoint = first / "checkpoints" / "epoch=1-step=16.ckpt"
+    entry = torch.load(checkpoint, weights_only=False)["lightning_ddpx_fault_tolerance"]
+    assert (entry["world_size"], entry["hook"]["iteration"]) == (3, 16)
+    second, main, logs, _ = run_trainer_job(
+        tmp_path / "two",
+        FAULT_JOB_HOOK="powersgd",
+        FAULT_JOB_DEVICES="2",
+        FAULT_JOB_EPOCHS="3",
+        FAULT_JOB_REPLACEMENTS="0",
+        FAULT_JOB_RESUME=str(checkpoint),
+    )
+    assert sorted(logs) == ["00000", "00001"]
+    first_rows = [lines[0] for lines in logs.values()]
+    # world size 2, the global step and PowerSGD's iteration going on from the checkpoint's 16
+    assert {(row[3], row[4], row[5], row[8].split(":")[0]) for row in first_rows} == {("2", "17", "2", "17")}
+    # trained to the end (how many batches the resumed epoch takes is Lightning's mid-epoch resume: the
+    # checkpoint was written after the epoch's last batch, before the epoch ended)
+    assert main["epoch"] == 3 and main["global_step"] > 16
+    steps = defaultdict(set)
+    for lines in logs.values():
+        for line in lines:
+            steps[int(line[4])].add((line[7], line[8]))
+    assert all(len(found) == 1 for found in steps.values())
