@@ -5,7 +5,8 @@
 ``fabric.launch()`` in the process started supervises three training processes (and exits with their exit
 code). Each trains with data keyed on (committed step, rank, world size) and appends, after every committed
 step, ``uid pid generation world_size step digest`` to ``OUT_DIR/<uid>.log``. ``FAULT_JOB_KILL=uid:step``
-makes training process ``uid`` SIGKILL itself mid-backward at that committed step.
+makes training process ``uid`` SIGKILL itself mid-backward at that committed step. ``FAULT_JOB_HOOK=diloco``:
+DiLoCo with an outer step every 5 inner steps.
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ from tests.fault_job import batch, digest
 def main() -> None:
     out, steps = sys.argv[1], int(sys.argv[2])
     kill_uid, kill_step = (os.environ.get("FAULT_JOB_KILL", "") + "::").split(":")[:2]
+    hook = os.environ.get("FAULT_JOB_HOOK") or None  # "diloco": an outer step every 5 inner steps
     strategy = DDPXStrategy(
-        fault_tolerance={"replacements": 1, "heartbeat_timeout_s": 5.0, "collective_timeout_s": 20.0}
+        fault_tolerance={"replacements": 1, "heartbeat_timeout_s": 5.0, "collective_timeout_s": 20.0},
+        comm_hook=hook,
+        diloco={"period": 5} if hook == "diloco" else None,
     )
     fabric = Fabric(accelerator="cpu", devices=3, strategy=strategy)
     fabric.launch()
@@ -49,7 +53,7 @@ def main() -> None:
             x, y = batch(ft.steps_committed, ft.rank, ft.world_size)
             fabric.backward(nn.functional.mse_loss(model(x), y))
         if step.committed:
-            optimizer.step()
+            optimizer.step()  # with DiLoCo, Fabric's strategy then runs the outer step when due, fault-tolerantly
             with open(os.path.join(out, f"{uid}.log"), "a") as log:
                 log.write(
                     f"{uid} {os.getpid()} {ft.generation.number} {ft.world_size} {ft.steps_committed} "

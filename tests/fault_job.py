@@ -12,7 +12,8 @@ applied), ``boundary`` (before the step starts), or ``save`` (inside ``save_chec
 replaces the last one: with ``FAULT_JOB_CHECKPOINT=path`` and ``FAULT_JOB_CHECKPOINT_EVERY=k``), or
 ``stall`` (stopped with SIGSTOP mid-backward, silent rather than dead, and resumed ``FAULT_JOB_STALL_S``
 seconds later); ``raise`` makes it raise a communication failure inside
-the step without dying (the fail-at injection: every member discards the step, nobody is lost).
+the step without dying (the fail-at injection: every member discards the step, nobody is lost); ``sync``
+(DiLoCo) right before an outer step, which the others then run without it.
 """
 
 from __future__ import annotations
@@ -131,6 +132,10 @@ def main() -> None:
             if outcome.committed:
                 maybe_die("optimizer")
                 optimizer.step()
+                averaging = model.parameter_averaging  # DiLoCo: its outer step, when due
+                if averaging is not None and averaging.due_next():
+                    maybe_die("sync")
+                ft.average_after_step()
                 if not full_world or ft.world_size < full_world:
                     time.sleep(pause_s)
                 g = ft.generation
@@ -145,7 +150,7 @@ def main() -> None:
                     flush=True,
                 )
                 shared = ft.hook_state_dict()  # PowerSGD's shared state: equal on every member, always
-                if shared is not None:
+                if shared is not None and "iteration" in shared:
                     with open(os.path.join(out_dir, f"{me}.hook"), "a") as hook_log:
                         print(ft.steps_committed, shared["iteration"], hook_digest(shared), file=hook_log)
                 if checkpoint and every and ft.steps_committed % every == 0:

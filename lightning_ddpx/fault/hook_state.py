@@ -12,12 +12,17 @@ generation rebuilds. PowerSGD (and batched PowerSGD) keep two kinds of state
   residuals were never applied) it restarts from zero on every member, as it starts on a newcomer.
 
 Each generation also drops the hook's per-bucket work buffers, which hold the old world size.
+
+DiLoCo's state (:class:`~lightning_ddpx.hooks.diloco.DiLoCoState`: anchors, outer momentum, inner-step count)
+is all shared and moves only at an outer step, which the fault tolerance snapshots and votes on itself
+(:meth:`~lightning_ddpx.fault.manager.FaultTolerance.average_after_step`); a newcomer receives all of it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from lightning_ddpx.hooks.diloco import DiLoCoState
 from lightning_ddpx.hooks.powersgd.state import PowerSGDState
 
 __all__ = ["HookState"]
@@ -28,6 +33,7 @@ class HookState:
 
     def __init__(self, state: Any) -> None:
         self.state = state if isinstance(state, PowerSGDState) else None
+        self.diloco = state if isinstance(state, DiLoCoState) else None
         self._before_step: dict[str, Any] | None = None
 
     def before_step(self) -> None:
@@ -45,9 +51,15 @@ class HookState:
 
     def shared(self) -> dict[str, Any] | None:
         """What a newcomer (or a checkpoint) gets: the shared part only."""
+        if self.diloco is not None:
+            return self.diloco.state_dict()["shared"]
         return self.state.shared_state_dict() if self.state is not None else None
 
     def load_shared(self, shared: dict[str, Any] | None) -> None:
         """Adopt a live peer's (or a checkpoint's) shared state; this process's error feedback starts at zero."""
-        if self.state is not None and shared is not None:
+        if shared is None:
+            return
+        if self.diloco is not None:
+            self.diloco.load_state_dict({"shared": shared, "per_rank": {}})
+        elif self.state is not None:
             self.state.load_state_dict({"shared": shared, "per_rank": {}})

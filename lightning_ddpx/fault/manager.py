@@ -53,18 +53,26 @@ from lightning_ddpx.fault.hook_state import HookState
 from lightning_ddpx.fault.launch_env import LaunchInfo, connect, launch_info_from_environment
 from lightning_ddpx.fault.membership import FaultToleranceError, Generation, Membership, RunEnded
 from lightning_ddpx.fault.options import FaultToleranceOptions
+from lightning_ddpx.hooks.diloco import DiLoCoState
 from lightning_ddpx.hooks.registry import build_comm_hook
 
-__all__ = ["SUPPORTED_HOOKS", "FaultTolerance", "FaultToleranceStats", "RunEnded", "StepOutcome"]
+__all__ = [
+    "SUPPORTED_HOOKS",
+    "FaultTolerance",
+    "FaultToleranceStats",
+    "RunEnded",
+    "StepOutcome",
+    "check_diloco_options",
+]
 
 log = logging.getLogger("lightning_ddpx.fault")
 
 _Result = TypeVar("_Result")
 
 # Hooks that follow a membership change: the stateless ones (their only state is the default group, which
-# each membership rebuilds) and PowerSGD, whose shared state is rolled back and handed on
-# (lightning_ddpx.fault.hook_state).
-SUPPORTED_HOOKS = ("allreduce", "bf16", "fp16", "noop", "powersgd", "batched_powersgd")
+# each membership rebuilds), PowerSGD, whose shared state is rolled back and handed on, and DiLoCo, whose
+# outer step is snapshotted, voted on and retried over the survivors (lightning_ddpx.fault.hook_state).
+SUPPORTED_HOOKS = ("allreduce", "bf16", "fp16", "noop", "powersgd", "batched_powersgd", "diloco")
 
 
 @dataclass
@@ -173,12 +181,13 @@ class FaultTolerance:
         comm_hook: str | None = None,
         comm_wrapper: str | None = None,
         powersgd: Any = None,
+        diloco: Any = None,
         **ddp_options: Any,
     ) -> DistributedDataParallel:
         """``module`` in our :class:`~lightning_ddpx.DistributedDataParallel` over the current members, with
         the communication hook named ``comm_hook`` (one of :data:`SUPPORTED_HOOKS`, optionally cast by
-        ``comm_wrapper``: ``"fp16"``/``"bf16"``; ``powersgd``: PowerSGD's options, a ``PowerSGDOptions`` or a
-        dict). No collective here: the first :meth:`step` makes the replicas
+        ``comm_wrapper``: ``"fp16"``/``"bf16"``; ``powersgd``, ``diloco``: the hook's options, as its options
+        type or a dict). No collective here: the first :meth:`step` makes the replicas
         equal (rank 0's at the start, a survivor's for a newcomer)."""
         for refused in ("process_group", "init_sync"):
             if refused in ddp_options:
@@ -192,7 +201,9 @@ class FaultTolerance:
                 "lightning_ddpx fault tolerance: wrap() was already called; one model per run."
             )
         model = DistributedDataParallel(module, init_sync=False, **ddp_options)
-        return self.attach(model, comm_hook=comm_hook, comm_wrapper=comm_wrapper, powersgd=powersgd)
+        return self.attach(
+            model, comm_hook=comm_hook, comm_wrapper=comm_wrapper, powersgd=powersgd, diloco=diloco
+        )
 
     def attach(
         self,
@@ -201,6 +212,7 @@ class FaultTolerance:
         comm_hook: str | None = None,
         comm_wrapper: str | None = None,
         powersgd: Any = None,
+        diloco: Any = None,
         synchronized: bool = False,
     ) -> DistributedDataParallel:
         """Make ``model``, built by the caller over the current generation's group, the run's model (what
@@ -215,8 +227,10 @@ class FaultTolerance:
         self.model = model
         model.failure_report_wait_s = 0.0  # a lost rank writes no final record: do not wait for one
         if comm_hook is not None:
-            options = {"powersgd": powersgd} if powersgd is not None else {}
+            given = {"powersgd": powersgd, "diloco": diloco}
+            options = {name: value for name, value in given.items() if value is not None}
             self._hook = build_comm_hook(comm_hook, wrapper=comm_wrapper, **options)
+            _check_diloco(self._hook[0])
             model.register_comm_hook(*self._hook)
             self._hook_state = HookState(self._hook[0])
             self._hook_state.load_shared(self._pending_hook_shared)
@@ -276,7 +290,8 @@ class FaultTolerance:
         if not self._checked:
             _refuse_unsupported(self.model, self._hook is not None)
             self._checked = True
-        self._at_boundary(admit)
+        # with parameter averaging the replicas differ between syncs: newcomers join after one
+        self._at_boundary(admit and self.model.parameter_averaging is None)
         self._hook_state.before_step()
         outcome = StepOutcome()
         self._stepping = True
@@ -359,6 +374,59 @@ class FaultTolerance:
             self._note(f"{self._pending}; the membership changes at the next boundary")
             self._release_group()
             return fallback()
+
+    def average_after_step(self, optimizers: Any = None) -> bool:
+        """After each applied ``optimizer.step()`` of a model whose hook averages parameters (DiLoCo), instead
+        of ``model.average_parameters_after_step()``: counts the inner step, and when the outer step is due,
+        runs it fault-tolerantly. The parameters and the hook's state are snapshotted first; if a member is
+        lost during the exchange, every member puts both back, the survivors regroup and run the outer step
+        again among themselves (the lost replica's inner steps are lost, theirs are not). Right after an
+        outer step the replicas are equal: waiting newcomers are admitted and healed there. Returns whether
+        the parameters changed."""
+        model = self.model
+        if model is None:
+            raise RuntimeError(
+                "lightning_ddpx fault tolerance: call wrap(module) before average_after_step()."
+            )
+        averaging = model.parameter_averaging
+        due_next = getattr(averaging, "due_next", None)
+        if averaging is None or due_next is None or not due_next():
+            return model.average_parameters_after_step(optimizers)  # counting only: no collective
+        params = [p for p in model.parameters() if p.requires_grad]
+        saved_params = [p.detach().clone() for p in params]
+        saved_state = averaging.state_dict()
+        while True:
+            error = None
+            try:
+                changed = model.average_parameters_after_step(optimizers)
+            except Exception as failure:  # noqa: BLE001 - only communication failures are voted on
+                if not _is_communication_failure(failure):
+                    self._abandon_step()
+                    raise
+                error = _first_line(failure)
+                _forget_frames(failure)
+                del failure
+                self._release_group()
+            self._attempt += 1
+            decision = vote(self.store, self.membership, self.generation, self._attempt, error is None)
+            if decision != ABORT:
+                self._admission_waiting = self._admission_waiting or decision == COMMIT_AND_ADMIT
+                self._at_boundary(admit=True)  # the replicas are equal now: newcomers may join
+                return changed
+            with torch.no_grad():
+                for param, saved in zip(params, saved_params):
+                    param.copy_(saved)
+            averaging.load_state_dict(saved_state)
+            self.stats.failures += 1
+            self._failed_at = self._failed_at or time.monotonic()
+            cause = error if error is not None else "a member was lost before voting"
+            self._note(
+                f"the outer step after step {self.steps_committed} failed on generation "
+                f"{self.generation.number} ({cause}); every member put its parameters back, the survivors "
+                "run it again"
+            )
+            self._pending = "an outer step failed"
+            self._at_boundary(admit=False)
 
     def _release_group(self) -> None:
         """Destroy the current group now that this member's step failed: in a ring all-reduce a survivor may
@@ -461,7 +529,9 @@ class FaultTolerance:
         started = time.monotonic()
         size = None if self._skip_transfer else self._transfer()
         self._skip_transfer = False
-        self.model.verify_replicas(buffers=True, what="after a newcomer was healed")
+        # buffers are not averaged by a hook that averages parameters (DiLoCo): only those are compared then
+        buffers = self.model.parameter_averaging is None
+        self.model.verify_replicas(buffers=buffers, what="after a newcomer was healed")
         self.membership.mark_healthy()
         generation = self.generation
         if generation.number > 1:
@@ -598,11 +668,33 @@ def _check_hook(comm_hook: str | None, comm_wrapper: str | None) -> None:
     if comm_hook is not None and comm_hook not in SUPPORTED_HOOKS:
         raise ValueError(
             f"lightning_ddpx fault tolerance: comm_hook {comm_hook!r} is not supported with fault tolerance; "
-            f"the supported hooks are {list(SUPPORTED_HOOKS)}. Post-local SGD and DiLoCo average parameters "
-            "outside the steps the members agree on, and are refused rather than half-working."
+            f"the supported hooks are {list(SUPPORTED_HOOKS)}. Post-local SGD keeps subgroups and averages "
+            "that a membership change would leave stale, and is refused rather than half-working."
         )
     if comm_wrapper is not None and comm_hook is None:
         raise ValueError("lightning_ddpx fault tolerance: comm_wrapper needs a comm_hook to wrap.")
+
+
+def _check_diloco(state: Any) -> None:
+    if isinstance(state, DiLoCoState):
+        check_diloco_options(state.options)
+
+
+def check_diloco_options(options: Any) -> None:
+    """DiLoCo follows a membership change only in its plain form: one fragment, no overlap, no mixing (the
+    replicas are equal right after each outer step, where newcomers join; and no exchange is in flight
+    across steps, where a failure could not be voted on)."""
+    for name, value, allowed in (
+        ("fragments", options.fragments, 1),
+        ("overlap_steps", options.overlap_steps, 0),
+        ("mixing", options.mixing, 0.0),
+    ):
+        if value != allowed:
+            raise ValueError(
+                f"lightning_ddpx fault tolerance: DiLoCo with {name}={value!r} is not supported (streaming "
+                f"DiLoCo keeps exchanges in flight across steps and replicas that never all agree); use "
+                f"{name}={allowed!r}."
+            )
 
 
 def _refuse_unsupported(model: DistributedDataParallel, hook_from_wrap: bool) -> None:

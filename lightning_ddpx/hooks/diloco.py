@@ -268,6 +268,16 @@ class DiLoCoState:
                 applied = True
         return applied
 
+    def syncs_at(self, step: int) -> bool:
+        """Whether inner step ``step`` (1-based) sends or applies a fragment: a collective, or parameters
+        changed (what a fault-tolerant run snapshots beforehand)."""
+        o = self.options
+        sends = any(
+            step >= o.offset(fragment) and (step - o.offset(fragment)) % o.period == 0
+            for fragment in range(o.fragments)
+        )
+        return sends or any(in_flight.apply_at == step for in_flight in self._in_flight.values())
+
     def _refuse_changed_trainable_set(self) -> None:
         """A parameter unfrozen after :meth:`attach` (a fine-tuning schedule) would train on each replica and
         never be synchronised: the replicas would drift apart silently. Refuse it by name (every rank alike,
@@ -432,6 +442,10 @@ class OuterStep:
         is not asked for: the outer step covers the trainable parameters the state was attached to."""
         self.step += 1
         return self.state.after_inner_step(self.step)
+
+    def due_next(self) -> bool:
+        """Whether the next :meth:`after_optimizer_step` exchanges or changes parameters."""
+        return self.state.syncs_at(self.step + 1)
 
     def average_parameters(self, params: ParamsOrGroups = (), *, only_with_grad: bool = True) -> bool:
         """The model averagers' spelling of :meth:`after_optimizer_step`, for loops written for them; the

@@ -217,8 +217,11 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
                 comm_hook=config.comm_hook,
                 comm_wrapper=config.comm_wrapper,
                 powersgd=config.powersgd,
+                diloco=config.diloco,
                 synchronized=first,
             )
+            if wrapped.parameter_averaging is not None:  # DiLoCo: its outer step, fault-tolerantly
+                self._averaged.append(wrapped)
             self._modules.add(wrapped)
             self._replicas.track(wrapped)
             return wrapped
@@ -303,7 +306,10 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         for module in self._averaged:
             if post_local_sgd_setup.owns_params(module, optimizer):
                 post_local_sgd_setup.check_optimizers([optimizer])
-                post_local_sgd_setup.average_after_step(module, self._optimizers)
+                if self.fault_manager is not None:  # snapshotted, voted on, retried over the survivors
+                    self.fault_manager.average_after_step(self._optimizers)
+                else:
+                    post_local_sgd_setup.average_after_step(module, self._optimizers)
         self._between_steps(self._replicas.after_optimizer_step, None)  # a collective between steps
         return output
 

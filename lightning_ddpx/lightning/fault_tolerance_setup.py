@@ -34,7 +34,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_z
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.utils.data import DistributedSampler
 
-from lightning_ddpx.fault.manager import SUPPORTED_HOOKS, FaultTolerance
+from lightning_ddpx.fault.manager import SUPPORTED_HOOKS, FaultTolerance, check_diloco_options
 from lightning_ddpx.fault.membership import Generation
 from lightning_ddpx.fault.options import FaultToleranceOptions
 from lightning_ddpx.lightning import _compat as lightning_compat
@@ -43,7 +43,14 @@ from lightning_ddpx.lightning.fault_tolerance_launch import continue_loggers, jo
 if TYPE_CHECKING:
     from lightning_ddpx.lightning.config import DDPXConfig
 
-__all__ = ["CHECKPOINT_KEY", "TrainerFaultTolerance", "check_options", "check_trainer", "follow_rank"]
+__all__ = [
+    "CHECKPOINT_KEY",
+    "TrainerFaultTolerance",
+    "check_options",
+    "check_trainer",
+    "check_trainer_options",
+    "follow_rank",
+]
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +65,12 @@ def check_options(config: "DDPXConfig") -> None:
         name = hook if isinstance(hook, str) else getattr(hook, "__name__", type(hook).__name__)
         raise ValueError(
             f"DDPXStrategy: fault_tolerance does not support comm_hook={name!r}; the supported hooks are "
-            f"{list(SUPPORTED_HOOKS)} (with or without comm_wrapper). Post-local SGD and DiLoCo average "
-            "parameters outside the steps the members agree on; your own hooks keep state the fault "
-            "tolerance cannot roll back or hand on."
+            f"{list(SUPPORTED_HOOKS)} (with or without comm_wrapper). Post-local SGD keeps subgroups and "
+            "averages a membership change would leave stale; your own hooks keep state the fault tolerance "
+            "cannot roll back or hand on."
         )
+    if config.diloco is not None:
+        check_diloco_options(config.diloco)
     for name, refused in (
         ("overlap_optimizer", config.overlap_optimizer),
         ("model_averaging_period", config.model_averaging_period is not None),
@@ -76,6 +85,18 @@ def check_options(config: "DDPXConfig") -> None:
         raise ValueError(
             "DDPXStrategy: fault_tolerance cannot be combined with uneven_inputs='error': every rank's "
             "training loader is sharded by the membership (equal lengths), and a changed membership reshards it."
+        )
+
+
+def check_trainer_options(config: "DDPXConfig") -> None:
+    """What the Trainer strategy refuses beyond :func:`check_options`: DiLoCo, whose replicas differ between
+    outer steps, where the Trainer admits replacements (at an epoch's start, to resume a Lightning
+    checkpoint exactly)."""
+    if config.comm_hook == "diloco":
+        raise ValueError(
+            "DDPXStrategy: the Trainer strategy does not support fault_tolerance with comm_hook='diloco': it "
+            "admits replacements at an epoch's start, where DiLoCo's replicas differ. Fabric and the bare "
+            "module support it (docs/fault-tolerance.md)."
         )
 
 

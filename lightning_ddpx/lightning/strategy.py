@@ -63,6 +63,7 @@ from lightning_ddpx.lightning.fault_tolerance_setup import (
     CHECKPOINT_KEY,
     TrainerFaultTolerance,
     check_trainer,
+    check_trainer_options,
     follow_rank,
 )
 from lightning_ddpx.lightning.options import takes_ddpx_options
@@ -137,6 +138,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
                     "(docs/fault-tolerance.md)."
                 )
             cluster_environment = FaultTolerantEnvironment()
+            check_trainer_options(self.ddpx_config)
         # with fault_tolerance: what the strategy does differently in a training process (fault_tolerance_setup)
         self._fault = TrainerFaultTolerance(fault_options) if fault_options is not None else None
         super().__init__(

@@ -271,7 +271,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         built (collective on two CPU ranks, as at construction). The parameters are not broadcast: the
         caller makes the members' replicas equal (a newcomer is healed from a live peer) and proves it.
         ``comm_hook``: the ``(state, hook)`` the new reducer uses; a module with a registered hook needs it
-        (only the caller knows whether the hook's state can follow a new group).
+        (only the caller knows whether the hook's state can follow a new group). A parameter averaging it
+        brings (DiLoCo's outer step) stays bound as it was: its anchors and counters are kept.
         """
         if not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
@@ -596,7 +597,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         # Every rank registers its hook here, so backends of unknown bfloat16 support may be probed.
         check_bf16_hook(hook, self.process_group, self.device, probe=True)
         averaging = parameter_averaging_of(state)  # post-local SGD's averager, DiLoCo's outer step
-        if averaging is not None:
+        if averaging is not None and self.parameter_averaging is not averaging:
+            # (the same state again, on a new group's reducer: its averaging stays bound, state and all)
             self.register_parameter_averaging(averaging)
         self.reducer.register_comm_hook(state, hook)
 
