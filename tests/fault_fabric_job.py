@@ -61,6 +61,8 @@ def main() -> None:
                 )
             if ft.world_size < 3:
                 time.sleep(0.4)  # time for the replacement to start and register
+    # written by the membership's rank 0, with the membership and the hook's shared state (DiLoCo's)
+    fabric.save(os.path.join(out, "final.ckpt"), {"model": model, "optimizer": optimizer})
     fabric.strategy.teardown()
 
 

@@ -200,6 +200,10 @@ def test_a_fabric_loop_survives_rank_0_killed_and_heals_a_replacement(tmp_path, 
     assert int(logs["00000"][-1][4]) == 3  # killed during its 4th step
     assert "00003" in logs and int(logs["00003"][-1][4]) == steps, "the replacement was not healed"
     assert "healed 00003" in done.stderr
+    saved = torch.load(out / "final.ckpt", weights_only=False)["lightning_ddpx_fault_tolerance"]
+    assert saved["world_size"] == 3 and saved["generation"] >= 3
+    if hook:  # DiLoCo's anchors and step, saved with the model
+        assert saved["hook"]["step"] == steps and len(saved["hook"]["anchors"]) == 4
 
 
 @pytest.mark.slow

@@ -60,6 +60,7 @@ from lightning_ddpx.lightning.fault_tolerance_launch import (
     in_training_process,
     join_run,
 )
+from lightning_ddpx.lightning.fault_tolerance_setup import CHECKPOINT_KEY as FAULT_TOLERANCE_KEY
 from lightning_ddpx.lightning.fault_tolerance_setup import follow_rank
 from lightning_ddpx.lightning.options import takes_ddpx_options
 from lightning_ddpx.lightning.process_exit import destroy_process_group_at_exit
@@ -339,7 +340,10 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         each in the Trainer strategy's entry format. Fabric calls this on every rank, as gathering needs.
         """
         modules = _our_modules(state)
-        if self.fault_manager is not None:  # stateless hooks only; the writer is the membership's rank 0
+        fault = self.fault_manager
+        if fault is not None:  # the hook's shared state and the membership; the membership's rank 0 writes
+            record = {"generation": fault.generation.number, "world_size": fault.world_size}
+            state = {**state, FAULT_TOLERANCE_KEY: {**record, "hook": fault.hook_state_dict()}}
             super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
             return
         self._replicas.before_save(modules.values())  # a diverged run must not be saved as rank 0's weights
@@ -376,6 +380,10 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         another world size) resumes with fresh hook state and a warning, as in the Trainer strategy.
         """
         remainder = super().load_checkpoint(path, state, strict=strict, **weights_only_argument(weights_only))
+        if self.fault_manager is not None:  # PowerSGD's or DiLoCo's shared state, when the hook exists
+            entry = remainder.pop(FAULT_TOLERANCE_KEY, None) or {}
+            self.fault_manager.load_hook_state_dict(entry.get("hook"))
+            return remainder
         modules = _our_modules(state) if isinstance(state, Mapping) else {}
         if not modules:
             return remainder

@@ -529,7 +529,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         Also after ``fit`` (``trainer.save_checkpoint`` once training ended): the state outlives the module.
         Weights-only checkpoints (no optimizer states) stay weights only.
         """
-        if self._fault is not None:  # stateless hooks only; the writer is the membership's rank 0
+        if self._fault is not None:  # the hook's shared state in the membership record; its rank 0 writes
             self._fault.between_steps(lambda: self._replicas.before_save(self._our_model()), lambda: None)
             if self._fault.fault is not None:
                 checkpoint[CHECKPOINT_KEY] = self._fault.membership_record()
