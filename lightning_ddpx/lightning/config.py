@@ -259,7 +259,7 @@ class DDPXConfig:
         "``FaultToleranceOptions`` (``min_ranks``, ``replacements``, ``heartbeat_timeout_s``, "
         "``collective_timeout_s``, ``join_timeout_s``). gloo only; see docs/fault-tolerance.md for what it "
         "supports and refuses.",
-        fabric_doc="as in the Trainer strategy; the loop uses ``fabric.strategy.fault_tolerance`` (its "
+        fabric_doc="as in the Trainer strategy; the loop uses ``fabric.strategy.fault_manager`` (its "
         "``step()`` decides whether to apply each step). See docs/fault-tolerance.md.",
     )
 
