@@ -6,7 +6,8 @@
 code). Each trains with data keyed on (committed step, rank, world size) and appends, after every committed
 step, ``uid pid generation world_size step digest`` to ``OUT_DIR/<uid>.log``. ``FAULT_JOB_KILL=uid:step``
 makes training process ``uid`` SIGKILL itself mid-backward at that committed step. ``FAULT_JOB_HOOK=diloco``:
-DiLoCo with an outer step every 5 inner steps.
+DiLoCo with an outer step every 5 inner steps; ``post_local_sgd``: 4 steps of global averaging, then an
+average every 5 local steps.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ def main() -> None:
         fault_tolerance={"replacements": 1, "heartbeat_timeout_s": 5.0, "collective_timeout_s": 20.0},
         comm_hook=hook,
         diloco={"period": 5} if hook == "diloco" else None,
+        post_local_sgd={"start_localSGD_iter": 4, "period": 5, "subgroup": 1}
+        if hook == "post_local_sgd"
+        else None,
     )
     fabric = Fabric(accelerator="cpu", devices=3, strategy=strategy)
     fabric.launch()

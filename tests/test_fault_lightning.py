@@ -168,7 +168,7 @@ def test_a_cluster_environment_of_its_own_is_refused():
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("hook", ["", "diloco"])
+@pytest.mark.parametrize("hook", ["", "diloco", "post_local_sgd"])
 def test_a_fabric_loop_survives_rank_0_killed_and_heals_a_replacement(tmp_path, hook):
     out = tmp_path / "out"
     out.mkdir()
@@ -189,12 +189,14 @@ def test_a_fabric_loop_survives_rank_0_killed_and_heals_a_replacement(tmp_path, 
         assert len({line[1] for line in lines}) == 1, f"{uid} was restarted"
         for line in lines:
             digests[int(line[4])].add(line[5])
-    # DiLoCo: equal after each outer step (every 5th), apart in between; else equal after every step
-    synced = {step: found for step, found in digests.items() if not hook or step % 5 == 0}
-    assert all(len(found) == 1 for found in synced.values()), synced
-    assert not hook or any(len(found) > 1 for found in digests.values()), (
-        "DiLoCo's inner steps were not local"
+    # DiLoCo: equal after each outer step (every 5th), apart in between; post-local SGD: equal through the
+    # warm-up (4 steps) and after each average (steps 5, 10, ...); else equal after every step
+    synced_at = {"": lambda step: True, "diloco": lambda step: step % 5 == 0}.get(
+        hook, lambda step: step <= 4 or step % 5 == 0
     )
+    synced = {step: found for step, found in digests.items() if synced_at(step)}
+    assert all(len(found) == 1 for found in synced.values()), synced
+    assert not hook or any(len(found) > 1 for found in digests.values()), "the local steps were not local"
     # every step committed once, the discarded one retried
     assert sorted(digests) == list(range(1, steps + 1))
     assert int(logs["00000"][-1][4]) == 3  # killed during its 4th step
@@ -202,8 +204,10 @@ def test_a_fabric_loop_survives_rank_0_killed_and_heals_a_replacement(tmp_path, 
     assert "healed 00003" in done.stderr
     saved = torch.load(out / "final.ckpt", weights_only=False)["lightning_ddpx_fault_tolerance"]
     assert saved["world_size"] == 3 and saved["generation"] >= 3
-    if hook:  # DiLoCo's anchors and step, saved with the model
+    if hook == "diloco":  # DiLoCo's anchors and step, saved with the model
         assert saved["hook"]["step"] == steps and len(saved["hook"]["anchors"]) == 4
+    if hook == "post_local_sgd":  # its counters
+        assert (saved["hook"]["iter"], saved["hook"]["averager_step"]) == (4, steps)
 
 
 @pytest.mark.slow

@@ -245,16 +245,17 @@ def test_a_discarded_powersgd_step_is_rolled_back_on_every_member(tmp_path):
 DILOCO = {"diloco": {"period": 4}}
 
 
-def assert_diloco_consistent(logs, survivors, steps=16, period=4):
-    """DiLoCo: the replicas train apart between outer steps (their digests differ there) and are equal
-    after each one (every 4th step), the newcomer's included; survivors ran every step in one process."""
+def assert_averaged_consistent(logs, survivors, synced_at, steps=16):
+    """DiLoCo, post-local SGD: the replicas train apart between averages (their digests differ there) and
+    are equal after each one (``synced_at(step)``), the newcomer's included; survivors ran every step in one
+    process."""
     digests = defaultdict(set)
     for rows in logs.values():
         for _, _, _, step, digest in rows:
             digests[step].add(digest)
-    synced = {step: sorted(d) for step, d in digests.items() if step % period == 0 and len(d) > 1}
-    assert not synced, f"replicas differ after the outer steps {synced}"
-    assert any(len(d) > 1 for step, d in digests.items() if step % period), "the inner steps were not local"
+    synced = {step: sorted(d) for step, d in digests.items() if synced_at(step) and len(d) > 1}
+    assert not synced, f"replicas differ after the averages {synced}"
+    assert any(len(d) > 1 for step, d in digests.items() if not synced_at(step)), "the steps were not local"
     for uid in survivors:
         rows = logs[uid]
         assert [row[3] for row in rows] == list(range(1, steps + 1)), f"{uid} skipped or repeated a step"
@@ -280,13 +281,44 @@ def test_diloco_loses_only_the_lost_replicas_inner_steps_and_heals_after_an_oute
         FAULT_JOB_DDP_OPTIONS=json.dumps(DILOCO),
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert_diloco_consistent(logs, survivors)
+    assert_averaged_consistent(logs, survivors, lambda step: step % 4 == 0)
     newcomer = logs["00003"]
     assert newcomer[0][3] % 4 == 1 and newcomer[-1][3] == 16, "the newcomer joined between outer steps"
     assert f"healed 00003 from {survivors[0]}" in done.stderr
     if "sync" in kill:  # the survivors' outer step failed, was put back and run again among the two
-        assert "the outer step after step 8 failed on generation 1" in done.stderr
+        assert "DiLoCo's outer step after step 8 failed on generation 1" in done.stderr
         assert "every member put its parameters back" in done.stderr
+
+
+# global averaging for 4 steps, then local steps with an average after steps 5, 9, 13
+POST_LOCAL_SGD = {"post_local_sgd": {"start_localSGD_iter": 4, "period": 4, "subgroup": 1}}
+
+
+@pytest.mark.parametrize(
+    ("kill", "survivors"),
+    [("00001:7:backward", ["00000", "00002"]), ("00000:9:sync", ["00001", "00002"])],
+    ids=["middle-between-averages", "rank0-before-an-average"],
+)
+def test_post_local_sgd_loses_only_the_lost_replicas_local_steps_and_heals_after_an_average(
+    tmp_path, kill, survivors
+):
+    done, logs = run_fault_job(
+        tmp_path,
+        kill=kill,
+        replacements=1,
+        steps=16,
+        pause_s=1.0,
+        hook="post_local_sgd",
+        FAULT_JOB_FULL_WORLD="3",
+        FAULT_JOB_DDP_OPTIONS=json.dumps(POST_LOCAL_SGD),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_averaged_consistent(logs, survivors, lambda step: step <= 5 or (step - 1) % 4 == 0)
+    newcomer = logs["00003"]
+    assert (newcomer[0][3] - 1) % 4 == 1 and newcomer[-1][3] == 16, "the newcomer joined between averages"
+    assert f"healed 00003 from {survivors[0]}" in done.stderr
+    if "sync" in kill:  # the survivors' average failed, was put back and run again among the two
+        assert "post-local SGD's model averaging after step 9 failed on generation 1" in done.stderr
 
 
 REFUSALS = """
@@ -295,9 +327,9 @@ from torch import nn
 from lightning_ddpx.fault import FaultTolerance
 
 ft = FaultTolerance()
-for name in ("post_local_sgd",):
+for options in ({"subgroup": 2, "period": 4}, {"subgroup": 1}):  # a subgroup of 2; averaging by hand
     try:
-        ft.wrap(nn.Linear(2, 2), comm_hook=name)
+        ft.wrap(nn.Linear(2, 2), comm_hook="post_local_sgd", post_local_sgd=options)
     except ValueError as error:
         print("refused:", error)
 model = ft.wrap(nn.Linear(2, 2))
@@ -317,10 +349,14 @@ def test_what_cannot_survive_a_membership_change_is_refused_by_name_before_the_f
     script.write_text(REFUSALS)
     done = run_job([*LAUNCH[:-1], "1", "--", str(script)], timeout=120, env=job_env())
     assert done.returncode == 0, done.stderr[-3000:]
-    for name in ("post_local_sgd",):
-        assert f"refused: lightning_ddpx fault tolerance: comm_hook {name!r} is not supported" in done.stdout
-    supported = "['allreduce', 'bf16', 'fp16', 'noop', 'powersgd', 'batched_powersgd', 'diloco']"
-    assert f"the supported hooks are {supported}" in done.stdout
+    assert (
+        "refused: lightning_ddpx fault tolerance: post-local SGD with subgroup=2 is not supported"
+        in done.stdout
+    )
+    assert (
+        "refused: lightning_ddpx fault tolerance: post-local SGD with period=None is not supported"
+        in done.stdout
+    )
     assert "refused: lightning_ddpx fault tolerance: the optimizer overlap" in done.stdout
 
 

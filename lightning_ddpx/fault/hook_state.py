@@ -16,6 +16,10 @@ Each generation also drops the hook's per-bucket work buffers, which hold the ol
 DiLoCo's state (:class:`~lightning_ddpx.hooks.diloco.DiLoCoState`: anchors, outer momentum, inner-step count)
 is all shared and moves only at an outer step, which the fault tolerance snapshots and votes on itself
 (:meth:`~lightning_ddpx.fault.manager.FaultTolerance.average_after_step`); a newcomer receives all of it.
+Post-local SGD's (:class:`~lightning_ddpx.hooks.PostLocalSGDState`): its iteration moves in backward during
+the warm-up, so it is snapshotted and put back like PowerSGD's; its averager's step moves at an average,
+which the fault tolerance votes on like DiLoCo's outer step; each generation makes its gradient subgroup
+again (``subgroup=1``: every rank on its own).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_ddpx.hooks.diloco import DiLoCoState
+from lightning_ddpx.hooks.post_local_sgd import PostLocalSGDState
 from lightning_ddpx.hooks.powersgd.state import PowerSGDState
 
 __all__ = ["HookState"]
@@ -34,25 +39,35 @@ class HookState:
     def __init__(self, state: Any) -> None:
         self.state = state if isinstance(state, PowerSGDState) else None
         self.diloco = state if isinstance(state, DiLoCoState) else None
+        self.post_local_sgd = state if isinstance(state, PostLocalSGDState) else None
         self._before_step: dict[str, Any] | None = None
+        self._iter_before_step = 0
 
     def before_step(self) -> None:
         if self.state is not None:
             self._before_step = self.state.shared_state_dict()
+        if self.post_local_sgd is not None:
+            self._iter_before_step = self.post_local_sgd.iter
 
     def after_discarded_step(self) -> None:
         """Every member back to the shared state of before the step; error feedback from zero."""
         if self.state is not None and self._before_step is not None:
             self.state.load_state_dict({"shared": self._before_step, "per_rank": {}})
+        if self.post_local_sgd is not None:  # the warm-up's count: global or local averaging next
+            self.post_local_sgd.iter = self._iter_before_step
 
     def after_regroup(self) -> None:
         if self.state is not None:
             self.state.runtime.clear()  # plans and buffers sized for the old world
+        if self.post_local_sgd is not None:
+            self.post_local_sgd.regroup()  # a collective of the new generation's members
 
     def shared(self) -> dict[str, Any] | None:
         """What a newcomer (or a checkpoint) gets: the shared part only."""
         if self.diloco is not None:
             return self.diloco.state_dict()["shared"]
+        if self.post_local_sgd is not None:
+            return self.post_local_sgd.state_dict()["shared"]
         return self.state.shared_state_dict() if self.state is not None else None
 
     def load_shared(self, shared: dict[str, Any] | None) -> None:
@@ -61,5 +76,7 @@ class HookState:
             return
         if self.diloco is not None:
             self.diloco.load_state_dict({"shared": shared, "per_rank": {}})
+        elif self.post_local_sgd is not None:
+            self.post_local_sgd.load_state_dict({"shared": shared, "per_rank": {}})
         elif self.state is not None:
             self.state.load_state_dict({"shared": shared, "per_rank": {}})

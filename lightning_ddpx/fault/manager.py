@@ -54,6 +54,7 @@ from lightning_ddpx.fault.launch_env import LaunchInfo, connect, launch_info_fro
 from lightning_ddpx.fault.membership import FaultToleranceError, Generation, Membership, RunEnded
 from lightning_ddpx.fault.options import FaultToleranceOptions
 from lightning_ddpx.hooks.diloco import DiLoCoState
+from lightning_ddpx.hooks.post_local_sgd import PostLocalSGDOptions, PostLocalSGDState
 from lightning_ddpx.hooks.registry import build_comm_hook
 
 __all__ = [
@@ -63,6 +64,7 @@ __all__ = [
     "RunEnded",
     "StepOutcome",
     "check_diloco_options",
+    "check_post_local_sgd_options",
 ]
 
 log = logging.getLogger("lightning_ddpx.fault")
@@ -70,9 +72,19 @@ log = logging.getLogger("lightning_ddpx.fault")
 _Result = TypeVar("_Result")
 
 # Hooks that follow a membership change: the stateless ones (their only state is the default group, which
-# each membership rebuilds), PowerSGD, whose shared state is rolled back and handed on, and DiLoCo, whose
-# outer step is snapshotted, voted on and retried over the survivors (lightning_ddpx.fault.hook_state).
-SUPPORTED_HOOKS = ("allreduce", "bf16", "fp16", "noop", "powersgd", "batched_powersgd", "diloco")
+# each membership rebuilds), PowerSGD, whose shared state is rolled back and handed on, and DiLoCo and
+# post-local SGD, whose averaging is snapshotted, voted on and retried over the survivors
+# (lightning_ddpx.fault.hook_state).
+SUPPORTED_HOOKS = (
+    "allreduce",
+    "bf16",
+    "fp16",
+    "noop",
+    "powersgd",
+    "batched_powersgd",
+    "diloco",
+    "post_local_sgd",
+)
 
 
 @dataclass
@@ -182,11 +194,12 @@ class FaultTolerance:
         comm_wrapper: str | None = None,
         powersgd: Any = None,
         diloco: Any = None,
+        post_local_sgd: Any = None,
         **ddp_options: Any,
     ) -> DistributedDataParallel:
         """``module`` in our :class:`~lightning_ddpx.DistributedDataParallel` over the current members, with
         the communication hook named ``comm_hook`` (one of :data:`SUPPORTED_HOOKS`, optionally cast by
-        ``comm_wrapper``: ``"fp16"``/``"bf16"``; ``powersgd``, ``diloco``: the hook's options, as its options
+        ``comm_wrapper``: ``"fp16"``/``"bf16"``; ``powersgd``, ``diloco``, ``post_local_sgd``: the hook's options, as its options
         type or a dict). No collective here: the first :meth:`step` makes the replicas
         equal (rank 0's at the start, a survivor's for a newcomer)."""
         for refused in ("process_group", "init_sync"):
@@ -202,7 +215,12 @@ class FaultTolerance:
             )
         model = DistributedDataParallel(module, init_sync=False, **ddp_options)
         return self.attach(
-            model, comm_hook=comm_hook, comm_wrapper=comm_wrapper, powersgd=powersgd, diloco=diloco
+            model,
+            comm_hook=comm_hook,
+            comm_wrapper=comm_wrapper,
+            powersgd=powersgd,
+            diloco=diloco,
+            post_local_sgd=post_local_sgd,
         )
 
     def attach(
@@ -213,6 +231,7 @@ class FaultTolerance:
         comm_wrapper: str | None = None,
         powersgd: Any = None,
         diloco: Any = None,
+        post_local_sgd: Any = None,
         synchronized: bool = False,
     ) -> DistributedDataParallel:
         """Make ``model``, built by the caller over the current generation's group, the run's model (what
@@ -224,17 +243,21 @@ class FaultTolerance:
             raise RuntimeError(
                 "lightning_ddpx fault tolerance: a model is already attached; one model per run."
             )
-        self.model = model
-        model.failure_report_wait_s = 0.0  # a lost rank writes no final record: do not wait for one
+        if comm_hook == "post_local_sgd":  # before its state makes subgroups (a collective)
+            given_options = post_local_sgd if post_local_sgd is not None else {}
+            o = PostLocalSGDOptions(**given_options) if isinstance(given_options, dict) else given_options
+            check_post_local_sgd_options(o.subgroup, o.hierarchy, o.period)
         if comm_hook is not None:
-            given = {"powersgd": powersgd, "diloco": diloco}
+            given = {"powersgd": powersgd, "diloco": diloco, "post_local_sgd": post_local_sgd}
             options = {name: value for name, value in given.items() if value is not None}
-            self._hook = build_comm_hook(comm_hook, wrapper=comm_wrapper, **options)
-            _check_diloco(self._hook[0])
-            model.register_comm_hook(*self._hook)
-            self._hook_state = HookState(self._hook[0])
+            hook = build_comm_hook(comm_hook, wrapper=comm_wrapper, **options)
+            _check_averaging(hook[0])
+            model.register_comm_hook(*hook)
+            self._hook, self._hook_state = hook, HookState(hook[0])
             self._hook_state.load_shared(self._pending_hook_shared)
             self._pending_hook_shared = None
+        self.model = model
+        model.failure_report_wait_s = 0.0  # a lost rank writes no final record: do not wait for one
         if synchronized and self.generation.number == 1 and self._heal_due:
             self._skip_transfer = True
         return model
@@ -376,9 +399,9 @@ class FaultTolerance:
             return fallback()
 
     def average_after_step(self, optimizers: Any = None) -> bool:
-        """After each applied ``optimizer.step()`` of a model whose hook averages parameters (DiLoCo), instead
-        of ``model.average_parameters_after_step()``: counts the inner step, and when the outer step is due,
-        runs it fault-tolerantly. The parameters and the hook's state are snapshotted first; if a member is
+        """After each applied ``optimizer.step()`` of a model whose hook averages parameters (DiLoCo,
+        post-local SGD), instead of ``model.average_parameters_after_step()``: counts the step, and when the
+        outer step (the average) is due, runs it fault-tolerantly. The parameters and the hook's state are snapshotted first; if a member is
         lost during the exchange, every member puts both back, the survivors regroup and run the outer step
         again among themselves (the lost replica's inner steps are lost, theirs are not). Right after an
         outer step the replicas are equal: waiting newcomers are admitted and healed there. Returns whether
@@ -421,7 +444,7 @@ class FaultTolerance:
             self._failed_at = self._failed_at or time.monotonic()
             cause = error if error is not None else "a member was lost before voting"
             self._note(
-                f"the outer step after step {self.steps_committed} failed on generation "
+                f"{averaging.name} after step {self.steps_committed} failed on generation "
                 f"{self.generation.number} ({cause}); every member put its parameters back, the survivors "
                 "run it again"
             )
@@ -668,16 +691,35 @@ def _check_hook(comm_hook: str | None, comm_wrapper: str | None) -> None:
     if comm_hook is not None and comm_hook not in SUPPORTED_HOOKS:
         raise ValueError(
             f"lightning_ddpx fault tolerance: comm_hook {comm_hook!r} is not supported with fault tolerance; "
-            f"the supported hooks are {list(SUPPORTED_HOOKS)}. Post-local SGD keeps subgroups and averages "
-            "that a membership change would leave stale, and is refused rather than half-working."
+            f"the supported hooks are {list(SUPPORTED_HOOKS)}; a hook of your own keeps state the fault "
+            "tolerance cannot roll back or hand on, and is refused rather than half-working."
         )
     if comm_wrapper is not None and comm_hook is None:
         raise ValueError("lightning_ddpx fault tolerance: comm_wrapper needs a comm_hook to wrap.")
 
 
-def _check_diloco(state: Any) -> None:
+def _check_averaging(state: Any) -> None:
     if isinstance(state, DiLoCoState):
         check_diloco_options(state.options)
+    if isinstance(state, PostLocalSGDState):
+        check_post_local_sgd_options(state.subgroup, state.hierarchy, state.period)
+
+
+def check_post_local_sgd_options(subgroup: Any, hierarchy: Any, period: Any) -> None:
+    """Post-local SGD follows a membership change with ``subgroup=1`` (each rank its own subgroup: the one
+    size that divides every world size), no ``hierarchy`` (its groups' sizes are the old world's) and a
+    ``period`` (the averages the fault tolerance votes on; averaging by hand it cannot see)."""
+    for name, value, wanted, allowed in (
+        ("subgroup", subgroup, "subgroup=1", subgroup == 1),
+        ("hierarchy", hierarchy, "no hierarchy", hierarchy is None),
+        ("period", period, "a period", period is not None),
+    ):
+        if not allowed:
+            raise ValueError(
+                f"lightning_ddpx fault tolerance: post-local SGD with {name}={value!r} is not supported; use "
+                f"{wanted} (a membership change leaves other subgroups and hierarchies stale, and averages "
+                "made by hand are not voted on)."
+            )
 
 
 def check_diloco_options(options: Any) -> None:

@@ -121,6 +121,10 @@ class ModelAverager:
         """The average due at the current step, or ``None``."""
         raise NotImplementedError
 
+    def due_next(self) -> bool:
+        """Whether the next :meth:`after_optimizer_step` averages (a collective)."""
+        return self.due() is not None
+
     def average_parameters(self, params: ParamsOrGroups, *, only_with_grad: bool = True) -> bool:
         """torch's call, once after every ``optimizer.step()``; averages ``params`` when due: those with a
         gradient, as torch's averagers do, or all of them (``only_with_grad=False``; ``params`` are then

@@ -246,6 +246,20 @@ class PostLocalSGDState:
         self.resolve()
         return self.averager
 
+    def regroup(self) -> None:
+        """Make this rank's gradient subgroup again over the default group, which was rebuilt (a
+        fault-tolerant run's membership changed); a collective, on every member. The counters and the
+        averager stay. A subgroup given as a ``ProcessGroup`` cannot follow: it is the caller's."""
+        if isinstance(self.subgroup, dist.ProcessGroup):
+            raise ValueError(
+                "post_local_sgd: a subgroup given as a ProcessGroup cannot follow a new membership; give its "
+                "size (subgroup=1: every rank on its own)."
+            )
+        group_size = dist.get_world_size(self.process_group)
+        self._subgroup_group = (
+            _make_subgroup(self.subgroup, group_size) if self.subgroup != group_size else self.process_group
+        )
+
     @property
     def subgroup_process_group(self) -> Optional[dist.ProcessGroup]:
         """The group gradients are averaged in after the warm-up (once resolved)."""

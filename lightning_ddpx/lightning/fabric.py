@@ -219,6 +219,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
                 comm_wrapper=config.comm_wrapper,
                 powersgd=config.powersgd,
                 diloco=config.diloco,
+                post_local_sgd=config.post_local_sgd if config.comm_hook == "post_local_sgd" else None,
                 synchronized=first,
             )
             if wrapped.parameter_averaging is not None:  # DiLoCo: its outer step, fault-tolerantly

@@ -34,7 +34,12 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_z
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.utils.data import DistributedSampler
 
-from lightning_ddpx.fault.manager import SUPPORTED_HOOKS, FaultTolerance, check_diloco_options
+from lightning_ddpx.fault.manager import (
+    SUPPORTED_HOOKS,
+    FaultTolerance,
+    check_diloco_options,
+    check_post_local_sgd_options,
+)
 from lightning_ddpx.fault.membership import Generation
 from lightning_ddpx.fault.options import FaultToleranceOptions
 from lightning_ddpx.lightning import _compat as lightning_compat
@@ -71,9 +76,11 @@ def check_options(config: "DDPXConfig") -> None:
         )
     if config.diloco is not None:
         check_diloco_options(config.diloco)
+    if hook == "post_local_sgd" and config.post_local_sgd is not None:
+        options = config.post_local_sgd
+        check_post_local_sgd_options(options.subgroup, options.hierarchy, options.period)
     for name, refused in (
         ("overlap_optimizer", config.overlap_optimizer),
-        ("model_averaging_period", config.model_averaging_period is not None),
         ("comm_state", config.comm_state is not None),
     ):
         if refused:
@@ -89,14 +96,15 @@ def check_options(config: "DDPXConfig") -> None:
 
 
 def check_trainer_options(config: "DDPXConfig") -> None:
-    """What the Trainer strategy refuses beyond :func:`check_options`: DiLoCo, whose replicas differ between
-    outer steps, where the Trainer admits replacements (at an epoch's start, to resume a Lightning
-    checkpoint exactly)."""
-    if config.comm_hook == "diloco":
+    """What the Trainer strategy refuses beyond :func:`check_options`: DiLoCo and post-local SGD, whose
+    replicas differ between averages, where the Trainer admits replacements (at an epoch's start, to resume
+    a Lightning checkpoint exactly)."""
+    if config.comm_hook in ("diloco", "post_local_sgd"):
         raise ValueError(
-            "DDPXStrategy: the Trainer strategy does not support fault_tolerance with comm_hook='diloco': it "
-            "admits replacements at an epoch's start, where DiLoCo's replicas differ. Fabric and the bare "
-            "module support it (docs/fault-tolerance.md)."
+            f"DDPXStrategy: the Trainer strategy does not support fault_tolerance with "
+            f"comm_hook={config.comm_hook!r}: it admits replacements at an epoch's start, where the replicas "
+            "of a hook that averages parameters differ. Fabric and the bare module support it "
+            "(docs/fault-tolerance.md)."
         )
 
 
