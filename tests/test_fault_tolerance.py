@@ -262,6 +262,30 @@ def assert_averaged_consistent(logs, survivors, synced_at, steps=16):
         assert len({row[0] for row in rows}) == 1, f"{uid} was restarted"
 
 
+def run_averaging_job(tmp_path, kill, survivors, hook, options, synced_at, averaged_at, failed_average):
+    """A kill and a heal with a hook that averages parameters: the replicas equal where ``synced_at(step)``
+    and apart elsewhere, the newcomer's first step right after an average (``averaged_at``), and for a kill
+    just before an average (``sync``), the survivors' ``failed_average`` put back and run again."""
+    done, logs = run_fault_job(
+        tmp_path,
+        kill=kill,
+        replacements=1,
+        steps=16,
+        pause_s=1.0,
+        hook=hook,
+        FAULT_JOB_FULL_WORLD="3",
+        FAULT_JOB_DDP_OPTIONS=json.dumps(options),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_averaged_consistent(logs, survivors, synced_at)
+    newcomer = logs["00003"]
+    assert averaged_at(newcomer[0][3] - 1) and newcomer[-1][3] == 16, "the newcomer joined between averages"
+    assert f"healed 00003 from {survivors[0]}" in done.stderr
+    if "sync" in kill:  # the survivors' average failed, was put back and run again among the two
+        assert f"{failed_average} failed on generation 1" in done.stderr
+        assert "every member put its parameters back" in done.stderr
+
+
 @pytest.mark.parametrize(
     ("kill", "survivors"),
     [("00001:5:backward", ["00000", "00002"]), ("00000:8:sync", ["00001", "00002"])],
@@ -270,24 +294,16 @@ def assert_averaged_consistent(logs, survivors, synced_at, steps=16):
 def test_diloco_loses_only_the_lost_replicas_inner_steps_and_heals_after_an_outer_step(
     tmp_path, kill, survivors
 ):
-    done, logs = run_fault_job(
+    run_averaging_job(
         tmp_path,
-        kill=kill,
-        replacements=1,
-        steps=16,
-        pause_s=1.0,
-        hook="diloco",
-        FAULT_JOB_FULL_WORLD="3",
-        FAULT_JOB_DDP_OPTIONS=json.dumps(DILOCO),
+        kill,
+        survivors,
+        "diloco",
+        DILOCO,
+        lambda step: step % 4 == 0,  # equal after each outer step ...
+        lambda step: step % 4 == 0,  # ... where the newcomer joins
+        "DiLoCo's outer step after step 8",
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert_averaged_consistent(logs, survivors, lambda step: step % 4 == 0)
-    newcomer = logs["00003"]
-    assert newcomer[0][3] % 4 == 1 and newcomer[-1][3] == 16, "the newcomer joined between outer steps"
-    assert f"healed 00003 from {survivors[0]}" in done.stderr
-    if "sync" in kill:  # the survivors' outer step failed, was put back and run again among the two
-        assert "DiLoCo's outer step after step 8 failed on generation 1" in done.stderr
-        assert "every member put its parameters back" in done.stderr
 
 
 # global averaging for 4 steps, then local steps with an average after steps 5, 9, 13
@@ -302,23 +318,16 @@ POST_LOCAL_SGD = {"post_local_sgd": {"start_localSGD_iter": 4, "period": 4, "sub
 def test_post_local_sgd_loses_only_the_lost_replicas_local_steps_and_heals_after_an_average(
     tmp_path, kill, survivors
 ):
-    done, logs = run_fault_job(
+    run_averaging_job(
         tmp_path,
-        kill=kill,
-        replacements=1,
-        steps=16,
-        pause_s=1.0,
-        hook="post_local_sgd",
-        FAULT_JOB_FULL_WORLD="3",
-        FAULT_JOB_DDP_OPTIONS=json.dumps(POST_LOCAL_SGD),
+        kill,
+        survivors,
+        "post_local_sgd",
+        POST_LOCAL_SGD,
+        lambda step: step <= 5 or (step - 1) % 4 == 0,  # equal in the warm-up and after each average ...
+        lambda step: step >= 5 and (step - 1) % 4 == 0,  # ... where the newcomer joins
+        "post-local SGD's model averaging after step 9",
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert_averaged_consistent(logs, survivors, lambda step: step <= 5 or (step - 1) % 4 == 0)
-    newcomer = logs["00003"]
-    assert (newcomer[0][3] - 1) % 4 == 1 and newcomer[-1][3] == 16, "the newcomer joined between averages"
-    assert f"healed 00003 from {survivors[0]}" in done.stderr
-    if "sync" in kill:  # the survivors' average failed, was put back and run again among the two
-        assert "post-local SGD's model averaging after step 9 failed on generation 1" in done.stderr
 
 
 REFUSALS = """
