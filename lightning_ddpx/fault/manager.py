@@ -53,8 +53,8 @@ from lightning_ddpx.fault.hook_state import HookState
 from lightning_ddpx.fault.launch_env import LaunchInfo, connect, launch_info_from_environment
 from lightning_ddpx.fault.membership import FaultToleranceError, Generation, Membership, RunEnded
 from lightning_ddpx.fault.options import FaultToleranceOptions
-from lightning_ddpx.hooks.diloco import DiLoCoState
-from lightning_ddpx.hooks.post_local_sgd import PostLocalSGDOptions, PostLocalSGDState
+from lightning_ddpx.hooks.diloco import DiLoCoOptions
+from lightning_ddpx.hooks.post_local_sgd import PostLocalSGDOptions
 from lightning_ddpx.hooks.registry import build_comm_hook
 
 __all__ = [
@@ -243,15 +243,11 @@ class FaultTolerance:
             raise RuntimeError(
                 "lightning_ddpx fault tolerance: a model is already attached; one model per run."
             )
-        if comm_hook == "post_local_sgd":  # before its state makes subgroups (a collective)
-            given_options = post_local_sgd if post_local_sgd is not None else {}
-            o = PostLocalSGDOptions(**given_options) if isinstance(given_options, dict) else given_options
-            check_post_local_sgd_options(o.subgroup, o.hierarchy, o.period)
+        _check_averaging_options(comm_hook, diloco, post_local_sgd)  # before post-local SGD makes subgroups
         if comm_hook is not None:
             given = {"powersgd": powersgd, "diloco": diloco, "post_local_sgd": post_local_sgd}
             options = {name: value for name, value in given.items() if value is not None}
             hook = build_comm_hook(comm_hook, wrapper=comm_wrapper, **options)
-            _check_averaging(hook[0])
             model.register_comm_hook(*hook)
             self._hook, self._hook_state = hook, HookState(hook[0])
             self._hook_state.load_shared(self._pending_hook_shared)
@@ -321,11 +317,9 @@ class FaultTolerance:
         try:
             yield outcome
         except Exception as error:  # noqa: BLE001 - only communication failures are voted on; others re-raised
-            if not _is_communication_failure(error):
-                self._abandon_step()  # the others must not wait for this member's vote
+            outcome.error = self._failure_to_vote(error)
+            if outcome.error is None:
                 raise
-            outcome.error = _first_line(error)  # text only: the traceback would keep the old group alive
-            _forget_frames(error)  # ... and so would the finished frames it holds (the reducer's, backward's)
             del error
             self._release_group()  # peers still blocked on this member in the failed step fail at once
         finally:
@@ -401,11 +395,11 @@ class FaultTolerance:
     def average_after_step(self, optimizers: Any = None) -> bool:
         """After each applied ``optimizer.step()`` of a model whose hook averages parameters (DiLoCo,
         post-local SGD), instead of ``model.average_parameters_after_step()``: counts the step, and when the
-        outer step (the average) is due, runs it fault-tolerantly. The parameters and the hook's state are snapshotted first; if a member is
-        lost during the exchange, every member puts both back, the survivors regroup and run the outer step
-        again among themselves (the lost replica's inner steps are lost, theirs are not). Right after an
-        outer step the replicas are equal: waiting newcomers are admitted and healed there. Returns whether
-        the parameters changed."""
+        outer step (the average) is due, runs it fault-tolerantly. The parameters and the hook's state are
+        snapshotted first; if a member is lost during the exchange, every member puts both back, the
+        survivors regroup and run it again among themselves (the lost replica's local steps are lost, theirs
+        are not). Right after an average the replicas are equal: waiting newcomers are admitted and healed
+        there. Returns whether the parameters changed."""
         model = self.model
         if model is None:
             raise RuntimeError(
@@ -423,11 +417,9 @@ class FaultTolerance:
             try:
                 changed = model.average_parameters_after_step(optimizers)
             except Exception as failure:  # noqa: BLE001 - only communication failures are voted on
-                if not _is_communication_failure(failure):
-                    self._abandon_step()
+                error = self._failure_to_vote(failure)
+                if error is None:
                     raise
-                error = _first_line(failure)
-                _forget_frames(failure)
                 del failure
                 self._release_group()
             self._attempt += 1
@@ -450,6 +442,17 @@ class FaultTolerance:
             )
             self._pending = "an outer step failed"
             self._at_boundary(admit=False)
+
+    def _failure_to_vote(self, error: BaseException) -> str | None:
+        """What this member votes about ``error`` raised inside a voted section: a communication failure
+        becomes its ``abort`` reason (its first line: text only, and the finished frames it holds cleared, as
+        the traceback would keep the old group alive); for any other error the others are told to abort and
+        ``None`` says to re-raise it."""
+        if not _is_communication_failure(error):
+            self._abandon_step()  # the others must not wait for this member's vote
+            return None
+        _forget_frames(error)
+        return _first_line(error)
 
     def _release_group(self) -> None:
         """Destroy the current group now that this member's step failed: in a ring all-reduce a survivor may
@@ -698,11 +701,15 @@ def _check_hook(comm_hook: str | None, comm_wrapper: str | None) -> None:
         raise ValueError("lightning_ddpx fault tolerance: comm_wrapper needs a comm_hook to wrap.")
 
 
-def _check_averaging(state: Any) -> None:
-    if isinstance(state, DiLoCoState):
-        check_diloco_options(state.options)
-    if isinstance(state, PostLocalSGDState):
-        check_post_local_sgd_options(state.subgroup, state.hierarchy, state.period)
+def _check_averaging_options(comm_hook: str | None, diloco: Any, post_local_sgd: Any) -> None:
+    """The averaging hooks' options (a dict or the options type), refused by name before their state exists."""
+    if comm_hook == "diloco":
+        given = diloco if diloco is not None else {}
+        check_diloco_options(DiLoCoOptions.from_dict(given) if isinstance(given, dict) else given)
+    if comm_hook == "post_local_sgd":
+        given = post_local_sgd if post_local_sgd is not None else {}
+        options = PostLocalSGDOptions(**given) if isinstance(given, dict) else given
+        check_post_local_sgd_options(options.subgroup, options.hierarchy, options.period)
 
 
 def check_post_local_sgd_options(subgroup: Any, hierarchy: Any, period: Any) -> None:
