@@ -70,6 +70,11 @@ def verification() -> dict[str, Any]:
         model.verify_replicas(step=dist.get_rank())
     except ReplicaMismatchError as error:
         out["steps"] = str(error)
+    out["among_rank_0"] = model.verify_replicas(among=[0]).tensors  # rank 1 takes part, is not compared
+    try:
+        model.verify_replicas(among=[1, 0], what="after a newcomer was healed")
+    except ReplicaMismatchError as error:
+        out["among_1_0"] = str(error)
     return out
 
 
@@ -307,6 +312,10 @@ def test_verification_passes_on_equal_replicas_and_names_the_difference(
         assert "ranks [1]" in result["mismatch"] and "at step 3" in result["mismatch"]
         assert "before saving a checkpoint" in result["mismatch"]
         assert "steps by rank {0: 0, 1: 1}" in result["steps"]
+        assert result["among_rank_0"] == 6  # only rank 0's copy compared: rank 1's difference not looked at
+        # rank 1's copy is the reference: rank 0 is named as the one that differs from it
+        assert "ranks [0] hold a different value from rank 1" in result["among_1_0"], result["among_1_0"]
+        assert "parameter '2.bias'" in result["among_1_0"]
 
 
 @pytest.mark.slow

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_ddpx.engine.agreement.errors import CommunicationError, as_communication_error
+from lightning_ddpx.engine.agreement.replica_check import verify_replicas
 from lightning_ddpx.engine.module.data_parallel import DistributedDataParallel
 from lightning_ddpx.fault.commit import ABORT, COMMIT_AND_ADMIT, vote
 from lightning_ddpx.fault.hook_state import HookState
@@ -555,9 +556,7 @@ class FaultTolerance:
         started = time.monotonic()
         size = None if self._skip_transfer else self._transfer()
         self._skip_transfer = False
-        # buffers are not averaged by a hook that averages parameters (DiLoCo): only those are compared then
-        buffers = self.model.parameter_averaging is None
-        self.model.verify_replicas(buffers=buffers, what="after a newcomer was healed")
+        self._verify_healed()
         self.membership.mark_healthy()
         generation = self.generation
         if generation.number > 1:
@@ -569,12 +568,34 @@ class FaultTolerance:
                 f"{self.stats.last_heal_s:.2f} s{sent}; replicas verified"
             )
 
+    def _verify_healed(self) -> None:
+        """Prove the heal: every member's replica bit-identical (parameters and buffers), and the hook's
+        shared state (PowerSGD's warm start, DiLoCo's anchors and outer momentum) identical on every member.
+        With a hook that averages parameters (DiLoCo, post-local SGD) the replicas differ between averages by
+        design, and the Trainer admits at an epoch's start: the newcomers are then proved copies of the peer
+        that sent them its replica. Every member decides alike (from the generation and the hook)."""
+        assert self.model is not None
+        generation = self.generation
+        among = None
+        if self.model.parameter_averaging is not None:
+            among = [self._source_rank()] + [generation.rank_of(uid) for uid in generation.newcomers]
+        self.model.verify_replicas(buffers=True, what="after a newcomer was healed", among=among)
+        shared = _named_tensors("the hook's shared state", self.hook_state_dict())
+        if shared:
+            verify_replicas(
+                shared, dist.group.WORLD, self.model.synchronised_steps, what="after a newcomer was healed"
+            )
+
+    def _source_rank(self) -> int:
+        """The rank that sends a newcomer its state: the lowest-ranked live peer (rank 0 at the start)."""
+        generation = self.generation
+        return generation.rank_of(min(generation.previous or generation.members[:1]))
+
     def _transfer(self) -> int:
         """The lowest-ranked live peer's state to every member (a collective); the newcomers load it.
         Returns its size in bytes."""
         generation = self.generation
-        peers = generation.previous or generation.members[:1]
-        source = generation.rank_of(min(peers))
+        source = self._source_rank()
         payload = self._state() if self.rank == source else None
         state = _broadcast_bytes(payload, source)
         if self.uid in generation.newcomers and self.rank != source:
@@ -760,6 +781,23 @@ def _refuse_unsupported(model: DistributedDataParallel, hook_from_wrap: bool) ->
             "parameters during backward, before the members agree whether the step counts, so a discarded "
             "step could not be undone; train without it."
         )
+
+
+def _named_tensors(prefix: str, value: Any) -> list[tuple[str, torch.Tensor]]:
+    """The tensors and numbers in a (nested) state dict, named by their path, in a fixed order: what the
+    replica check compares. Strings and ``None`` carry no training state and are left out."""
+    if isinstance(value, torch.Tensor):
+        return [(prefix, value)]
+    if isinstance(value, (bool, int)):
+        return [(prefix, torch.tensor(int(value), dtype=torch.int64))]
+    if isinstance(value, float):
+        return [(prefix, torch.tensor(value, dtype=torch.float64))]
+    items: list[tuple[Any, Any]] = []
+    if isinstance(value, dict):
+        items = sorted(value.items(), key=lambda item: str(item[0]))
+    elif isinstance(value, (list, tuple)):
+        items = list(enumerate(value))
+    return [named for key, item in items for named in _named_tensors(f"{prefix}[{key!r}]", item)]
 
 
 def _broadcast_bytes(payload: bytes | None, source: int) -> bytes:

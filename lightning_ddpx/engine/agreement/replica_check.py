@@ -110,10 +110,13 @@ def verify_replicas(
     step: int,
     device: torch.device | None = None,
     what: str = "",
+    among: Sequence[int] | None = None,
 ) -> ReplicaReport:
     """Collective: raise :class:`ReplicaMismatchError` on every rank unless every rank's ``named`` tensors are
     bitwise equal and every rank passed the same ``step``. ``device``: where the group's collectives run
-    (CUDA for NCCL); ``what`` names the caller for the error (e.g. "before saving a checkpoint")."""
+    (CUDA for NCCL); ``what`` names the caller for the error (e.g. "before saving a checkpoint").
+    ``among``: compare only these ranks of the group with the first of them (a replica copied from another,
+    where the others differ by design); every rank still takes part and reaches the same decision."""
     device = device or torch.device("cpu")
     # each digest computed where its tensor lives (no copy of the tensors), then gathered on ``device``
     digests = (
@@ -123,8 +126,10 @@ def verify_replicas(
     )
     head = torch.tensor([step, len(named)], dtype=torch.int64, device=device)
     summary = torch.cat([head, _fold(digests)])
-    gathered = _gather(summary, process_group, device)
-    rank_of = dist.get_process_group_ranks(process_group)
+    rows = list(range(dist.get_world_size(process_group))) if among is None else list(dict.fromkeys(among))
+    gathered = _gather(summary, process_group, device)[rows]
+    group_ranks = dist.get_process_group_ranks(process_group)
+    rank_of = [group_ranks[r] for r in rows]
     when = f" ({what})" if what else ""
     if not bool((gathered[:, :2] == gathered[0, :2]).all()):
         steps = {rank_of[r]: int(gathered[r, 0]) for r in range(len(rank_of))}
@@ -138,7 +143,7 @@ def verify_replicas(
     if bool((gathered == gathered[0]).all()):
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         return ReplicaReport(step=step, tensors=len(named), bytes_per_rank=nbytes)
-    _raise_first_difference(named, digests, process_group, device, step, when, rank_of)
+    _raise_first_difference(named, digests, process_group, device, step, when, rows, rank_of)
     raise AssertionError("unreachable")  # pragma: no cover
 
 
@@ -149,10 +154,12 @@ def _raise_first_difference(
     device: torch.device,
     step: int,
     when: str,
+    rows: list[int],
     rank_of: list[int],
 ) -> None:
-    """The second collective (on a mismatch only): every rank's per-tensor digests; raise naming the first."""
-    table = _gather(digests, process_group, device)  # [ranks, tensors, words]
+    """The second collective (on a mismatch only): every rank's per-tensor digests (those of ``rows``
+    compared); raise naming the first that differs."""
+    table = _gather(digests, process_group, device)[rows]  # [compared ranks, tensors, words]
     differs = (table != table[0]).any(dim=2).any(dim=0)
     first = int(differs.nonzero()[0, 0])
     odd = [rank_of[r] for r in range(len(rank_of)) if not bool((table[r, first] == table[0, first]).all())]

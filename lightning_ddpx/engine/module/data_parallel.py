@@ -500,6 +500,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         optimizer: torch.optim.Optimizer | None = None,
         step: int | None = None,
         what: str = "",
+        among: Sequence[int] | None = None,
     ) -> ReplicaReport:
         """Collective: check that every rank holds bitwise the same parameters (and, if asked, buffers and
         ``optimizer``'s state); raise :class:`~lightning_ddpx.engine.agreement.replica_check.ReplicaMismatchError` on
@@ -510,6 +511,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         checkpoint. Call it on every rank at the same point, between iterations. ``step`` (default: the
         synchronised steps so far) is compared too. Buffers are off by default: with ``broadcast_buffers``
         the ranks' buffers differ between a forward and the next broadcast (e.g. BatchNorm statistics).
+        ``among`` (ranks of the module's group): compare only those ranks' replicas with the first's -- a
+        replica copied from one peer where the replicas differ by design (DiLoCo between outer steps).
         """
         self.reducer.require_between_iterations(
             f"lightning_ddpx (rank {self.rank}): verify_replicas was called while this rank's backward is "
@@ -530,6 +533,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 self.synchronised_steps if step is None else step,
                 device=self.device,
                 what=what,
+                among=among,
             )
 
     def settings(self) -> dict[str, str]:
