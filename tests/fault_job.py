@@ -5,7 +5,7 @@
 Each process trains the same small model (seed 0) with data keyed on (committed step, rank, world size), and
 appends, after every committed step, ``uid pid generation world_size step digest`` to ``OUT_DIR/<uid>.log``
 (the digest: a hash of the parameters' bytes), and with PowerSGD ``step iteration digest`` of its shared
-state to ``OUT_DIR/<uid>.hook``. ``KILL`` = ``uid:step:point`` makes process ``uid`` kill
+state (with DiLoCo ``step inner_steps digest`` of its anchors) to ``OUT_DIR/<uid>.hook``. ``KILL`` = ``uid:step:point`` makes process ``uid`` kill
 itself with SIGKILL at attempt ``step`` (a committed-step count), at ``point``: ``forward``, ``backward``
 (from a gradient hook, buckets in flight), ``optimizer`` (after the step was committed, before it is
 applied), ``boundary`` (before the step starts), or ``save`` (inside ``save_checkpoint``, before its file
@@ -47,6 +47,16 @@ def hook_digest(shared: dict) -> str:
     for index in sorted(shared["q"]):
         h.update(shared["q"][index].numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def hook_record(shared: dict) -> tuple[int, str]:
+    """PowerSGD's iteration and shared-state digest, or DiLoCo's inner-step count and anchors' digest."""
+    if "anchors" in shared:
+        h = hashlib.sha256()
+        for anchor in shared["anchors"]:
+            h.update(anchor.numpy().tobytes())
+        return shared["step"], h.hexdigest()[:16]
+    return shared["iteration"], hook_digest(shared)
 
 
 def batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,10 +159,10 @@ def main() -> None:
                     file=log,
                     flush=True,
                 )
-                shared = ft.hook_state_dict()  # PowerSGD's shared state: equal on every member, always
-                if shared is not None and "iteration" in shared:
+                shared = ft.hook_state_dict()  # the hook's shared state: equal on every member, always
+                if shared is not None and ("iteration" in shared or "anchors" in shared):
                     with open(os.path.join(out_dir, f"{me}.hook"), "a") as hook_log:
-                        print(ft.steps_committed, shared["iteration"], hook_digest(shared), file=hook_log)
+                        print(ft.steps_committed, *hook_record(shared), file=hook_log)
                 if checkpoint and every and ft.steps_committed % every == 0:
                     ft.save_checkpoint(checkpoint)
     print(f"{me} done: {ft.stats}", flush=True)

@@ -10,9 +10,13 @@ PowerSGD's iteration and a digest of its shared state, or ``-``).
 
 Environment: ``FAULT_JOB_KILL=uid:global_step:point`` makes training process ``uid`` SIGKILL itself at that
 global step, at ``forward`` (in ``training_step``), ``backward`` (from a gradient hook, buckets in flight),
-``optimizer`` (after the members committed the step, before it is applied) or ``save`` (inside a checkpoint
-save of ``ModelCheckpoint(every_n_train_steps=2)``). ``FAULT_JOB_DEVICES`` (3), ``FAULT_JOB_EPOCHS`` (3),
-``FAULT_JOB_RESUME`` (a checkpoint for ``fit(ckpt_path=...)``), ``FAULT_JOB_REPLACEMENTS`` (1), ``FAULT_JOB_HOOK`` (``powersgd``: compressing from step 2), ``FAULT_JOB_PAUSE_S`` (per step while fewer than
+``optimizer`` (after the members committed the step, before it is applied), ``save`` (inside a checkpoint
+save of ``ModelCheckpoint(every_n_train_steps=2)``) or ``validation`` (in ``validation_step``, whose
+torchmetrics metric the survivors then compute). Each validation appends ``global_step val_mse`` to
+``OUT_DIR/<uid>.val``. ``FAULT_JOB_DEVICES`` (3), ``FAULT_JOB_EPOCHS`` (3),
+``FAULT_JOB_RESUME`` (a checkpoint for ``fit(ckpt_path=...)``), ``FAULT_JOB_REPLACEMENTS`` (1), ``FAULT_JOB_HOOK`` (``powersgd``: compressing from step 2; ``diloco``,
+``diloco-streaming``, ``post_local_sgd``: the hook column is then ``count:digest`` of the hook's shared state,
+see ``averaging_digest``), ``FAULT_JOB_PAUSE_S`` (per step while fewer than
 ``FAULT_JOB_DEVICES`` members train: time for a replacement to start before the next epoch).
 """
 
@@ -27,6 +31,7 @@ import time
 
 import lightning as L
 import torch
+import torchmetrics
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
@@ -45,6 +50,17 @@ def digest(module: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+def averaging_digest(shared: dict) -> str:
+    """``count:digest`` of an averaging hook's shared state: DiLoCo's inner steps and anchors, post-local SGD's
+    iteration and averager step."""
+    if "anchors" in shared:
+        h = hashlib.sha256()
+        for anchor in shared["anchors"]:
+            h.update(anchor.numpy().tobytes())
+        return f"{shared['step']}:{h.hexdigest()[:16]}"
+    return f"{shared['averager_step']}:{shared['iter']}"
+
+
 class Job(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
@@ -57,6 +73,7 @@ class Job(L.LightningModule):
         self.kill_step = int(step or -1)
         self.uid = os.environ.get("DDPX_FT_UID", "main")
         self.tested = 0
+        self.val_mse = torchmetrics.MeanSquaredError()  # synced by torchmetrics itself at the epoch's end
         if self.kill_point == "backward":
             self.net[0].weight.register_hook(self._die_in_backward)
 
@@ -84,8 +101,17 @@ class Job(L.LightningModule):
         return loss
 
     def validation_step(self, batch, batch_idx):
+        self.maybe_die("validation")
         x, y = batch
-        self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+        prediction = self.net(x)
+        self.val_mse(prediction, y)
+        self.log("val_mse", self.val_mse)  # first: its sync is the first collective after a loss here
+        self.log("val_loss", nn.functional.mse_loss(prediction, y), sync_dist=True)
+
+    def on_validation_epoch_end(self) -> None:
+        with open(os.path.join(os.environ["FAULT_JOB_OUT"], f"{self.uid}.val"), "a") as log:
+            metrics = self.trainer.callback_metrics
+            print(self.trainer.global_step, float(metrics["val_mse"]), file=log)
 
     def test_step(self, batch, batch_idx):
         self.tested += len(batch[0])
@@ -99,8 +125,14 @@ class Job(L.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         strategy = self.trainer.strategy
         fault = strategy._fault.fault
-        shared = fault.hook_state_dict()  # PowerSGD's shared state: equal on every member, always
-        hook = "-" if shared is None else f"{shared['iteration']}:{hook_digest(shared)}"
+        shared = fault.hook_state_dict()  # the hook's shared state: equal on every member, always
+        hook = (
+            "-"
+            if shared is None
+            else averaging_digest(shared)
+            if "iteration" not in shared
+            else (f"{shared['iteration']}:{hook_digest(shared)}")
+        )
         with open(os.path.join(os.environ["FAULT_JOB_OUT"], f"{self.uid}.log"), "a") as log:
             log.write(
                 f"{self.uid} {os.getpid()} {fault.generation.number} {fault.world_size} "
@@ -141,10 +173,18 @@ def main() -> None:
     # PowerSGD compressing from step 2 (of 8 per epoch): a discarded step is rolled back, a newcomer gets its
     # shared state
     powersgd = {"start_powerSGD_iter": 2, "matrix_approximation_rank": 1} if hook == "powersgd" else None
+    # DiLoCo: an outer step every 3 inner steps; post-local SGD: 2 steps of global averaging, then local
+    # steps averaged every 3; streaming DiLoCo (diloco-streaming): two fragments synced in turn every 3 steps, mixed
+    averaging = {
+        "diloco": {"diloco": {"period": 3}},
+        "diloco-streaming": {"diloco": {"period": 6, "fragments": 2, "mixing": 0.5}},
+        "post_local_sgd": {"post_local_sgd": {"start_localSGD_iter": 2, "period": 3, "subgroup": 1}},
+    }.get(hook or "", {})
+    hook = "diloco" if hook == "diloco-streaming" else hook
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ.get("FAULT_JOB_DEVICES", "3")),
-        strategy=DDPXStrategy(fault_tolerance=options, comm_hook=hook, powersgd=powersgd),
+        strategy=DDPXStrategy(fault_tolerance=options, comm_hook=hook, powersgd=powersgd, **averaging),
         max_epochs=int(os.environ.get("FAULT_JOB_EPOCHS", "3")),
         logger=CSVLogger(out, name="logs"),
         callbacks=[ModelCheckpoint(dirpath=os.path.join(out, "checkpoints"), every_n_train_steps=2)],

@@ -107,6 +107,78 @@ def test_a_trainer_survives_a_killed_process_and_heals_a_replacement(tmp_path, v
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(260)
+@pytest.mark.parametrize(
+    ("hook", "victim", "synced_at"),
+    [
+        ("diloco", "00000", lambda count: count % 3 == 0),  # equal after each outer step
+        ("post_local_sgd", "00001", lambda count: count % 3 == 0),  # ... after each average
+        ("diloco-streaming", "00002", lambda count: False),  # fragments mixed in: never all equal
+    ],
+    ids=["diloco-rank0", "post-local-sgd-middle", "streaming-diloco-last"],
+)
+def test_a_trainer_with_an_averaging_hook_survives_a_lost_average_and_heals_a_copy_of_a_replica(
+    tmp_path, hook, victim, synced_at
+):
+    """The victim dies after the third step is committed, before it is applied: the survivors' average
+    after it (DiLoCo's outer step, post-local SGD's average, fragment 0's sync) fails, is put back and run
+    again over the two. The replacement is admitted at the next epoch's start, where the replicas differ: it
+    is healed as a copy of the lowest-ranked live replica, proved bit-identical to it."""
+    out, main, logs, stderr = run_trainer_job(
+        tmp_path, FAULT_JOB_KILL=f"{victim}:2:optimizer", FAULT_JOB_HOOK=hook
+    )
+    survivors = sorted({"00000", "00001", "00002"} - {victim})
+    params: dict[int, set[str]] = defaultdict(set)
+    shared: dict[int, set[str]] = defaultdict(set)
+    counts: dict[int, int] = {}
+    for uid, lines in logs.items():
+        assert len({line[1] for line in lines}) == 1, f"{uid} was restarted"
+        for _, _, _, _, step, _, _, digest, hook_column in lines:
+            params[int(step)].add(digest)
+            shared[int(step)].add(hook_column)
+            counts[int(step)] = int(hook_column.split(":")[0])
+    split = {step: found for step, found in shared.items() if len(found) > 1}
+    assert not split, f"the hook's shared state differs between members at global steps {split}"
+    assert all(len(params[step]) == 1 for step, count in counts.items() if synced_at(count))
+    assert any(len(found) > 1 for found in params.values()), "the local steps were not local"
+    assert "failed on generation 1" in stderr and "every member put its parameters back" in stderr
+    assert "healed 00003" in stderr and "replicas verified" in stderr
+    assert logs["00003"][0][6] == "0", f"the replacement joined mid-epoch: {logs['00003'][0]}"
+    for uid in survivors:
+        assert int(logs[uid][-1][4]) == EPOCHS * STEPS_PER_EPOCH, f"{uid} did not finish"
+    assert main["global_step"] == EPOCHS * STEPS_PER_EPOCH
+    last = EPOCHS * STEPS_PER_EPOCH
+    assert main["digest"] in params[last], "fit() returned weights no training process ended with"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(260)
+def test_a_process_lost_during_validation_leaves_each_survivor_its_own_metric_for_that_epoch(tmp_path):
+    """The middle process dies in its first validation step after epoch 0. The survivors' next collective
+    is the sync of a torchmetrics metric (``val_mse``, logged before the ``sync_dist`` loss): it fails, and
+    each survivor's metric is computed on its own share, as a ``sync_dist`` reduction falls back to its own
+    value. Training goes on, the replacement joins at a later epoch's start, and from the next validation on
+    every process's metric is the same again (synced over the membership of the moment)."""
+    out, main, logs, stderr = run_trainer_job(tmp_path, FAULT_JOB_KILL="00001:8:validation")
+    assert_one_training(logs, main)
+    assert "process 00001" in stderr and "killed by SIGKILL" in stderr
+    assert "a collective between steps failed" in stderr
+    vals: dict[int, dict[str, float]] = defaultdict(dict)
+    for path in out.glob("0*.val"):
+        for line in path.read_text().splitlines():
+            step, value = line.split()
+            vals[int(step)][path.stem] = float(value)
+    lost_epoch = vals.pop(STEPS_PER_EPOCH)
+    assert sorted(lost_epoch) == ["00000", "00002"], lost_epoch  # the victim logged none
+    assert lost_epoch["00000"] != lost_epoch["00002"], "each survivor's metric should be its own share's"
+    assert sorted(vals) == [2 * STEPS_PER_EPOCH, 3 * STEPS_PER_EPOCH, 4 * STEPS_PER_EPOCH]
+    for step, by_process in vals.items():
+        assert {"00000", "00002"} <= set(by_process), (step, by_process)
+        assert len(set(by_process.values())) == 1, f"the metric was not synced at step {step}: {by_process}"
+    assert "00003" in vals[4 * STEPS_PER_EPOCH], "the replacement did not validate with the others"
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_without_a_failure_fit_returns_the_trained_model_in_the_launching_process(tmp_path):
     out, main, logs, _ = run_trainer_job(tmp_path, FAULT_JOB_REPLACEMENTS="0")
@@ -139,9 +211,8 @@ def test_the_option_is_in_both_strategies_signatures_and_takes_a_bool_or_a_dict(
 @pytest.mark.parametrize(
     ("kwargs", "named"),
     [
-        ({"comm_hook": "diloco"}, "diloco"),  # the Trainer's epoch-start admission: replicas differ then
-        ({"comm_hook": "diloco", "diloco": {"period": 4, "fragments": 2}}, "fragments=2"),  # streaming
-        ({"comm_hook": "post_local_sgd"}, "post_local_sgd"),
+        ({"comm_hook": "diloco", "diloco": {"period": 4, "overlap_steps": 1}}, "overlap_steps=1"),
+        ({"comm_hook": "post_local_sgd", "post_local_sgd": {"period": 4, "subgroup": 2}}, "subgroup=2"),
         ({"overlap_optimizer": True}, "overlap_optimizer"),
         ({"uneven_inputs": "error"}, "uneven_inputs"),
         ({"fault_tolerance": {"replacement": 1}}, "replacements"),  # a typo names the valid options
@@ -276,3 +347,36 @@ def test_a_fault_tolerant_checkpoint_resumes_at_another_world_size_with_powersgd
         for line in lines:
             steps[int(line[4])].add((line[7], line[8]))
     assert all(len(found) == 1 for found in steps.values())
+
+
+def test_the_metric_sync_guard_routes_each_metrics_sync_between_steps_and_gives_it_back():
+    """Each torchmetrics metric of the module (nested ones too) syncs through the fault tolerance's
+    between-steps rule; its fallback leaves the metric unsynced (its own value); released, the metric has its
+    own ``sync`` again and pickles."""
+    import pickle
+
+    import torchmetrics
+    from torch import nn
+
+    from lightning_ddpx.lightning.fault_tolerance_metrics import MetricSyncGuard
+
+    routed = []
+
+    def between_steps(run, fallback):  # as after a loss: the fallback answers
+        routed.append(run)
+        return fallback()
+
+    module = nn.Module()
+    module.mse = torchmetrics.MeanSquaredError()
+    module.head = nn.Sequential(nn.Linear(2, 2), torchmetrics.SumMetric())
+    guard = MetricSyncGuard(between_steps)
+    assert guard.guard(module) == 2 and guard.guard(module) == 0  # once each
+    module.mse.update(torch.ones(3), torch.zeros(3))
+    assert float(module.mse.compute()) == 1.0 and len(routed) == 1
+    assert not module.mse._is_synced  # left unsynced: this process's own value
+    guard.release()
+    assert "sync" not in module.mse.__dict__ and "sync" not in module.head[1].__dict__
+    module.mse.reset()
+    module.mse.update(torch.ones(2), torch.zeros(2))
+    assert float(module.mse.compute()) == 1.0 and len(routed) == 1  # its own sync again
+    pickle.dumps(module)

@@ -14,7 +14,8 @@ generation rebuilds. PowerSGD (and batched PowerSGD) keep two kinds of state
 Each generation also drops the hook's per-bucket work buffers, which hold the old world size.
 
 DiLoCo's state (:class:`~lightning_ddpx.hooks.diloco.DiLoCoState`: anchors, outer momentum, inner-step count)
-is all shared and moves only at an outer step, which the fault tolerance snapshots and votes on itself
+is all shared and moves only at an outer exchange (each fragment's, for streaming DiLoCo), which the fault
+tolerance snapshots and votes on itself
 (:meth:`~lightning_ddpx.fault.manager.FaultTolerance.average_after_step`); a newcomer receives all of it.
 Post-local SGD's (:class:`~lightning_ddpx.hooks.PostLocalSGDState`): its iteration moves in backward during
 the warm-up, so it is snapshotted and put back like PowerSGD's; its averager's step moves at an average,

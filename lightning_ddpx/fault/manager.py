@@ -75,7 +75,7 @@ _Result = TypeVar("_Result")
 # Hooks that follow a membership change: the stateless ones (their only state is the default group, which
 # each membership rebuilds), PowerSGD, whose shared state is rolled back and handed on, and DiLoCo and
 # post-local SGD, whose averaging is snapshotted, voted on and retried over the survivors
-# (lightning_ddpx.fault.hook_state).
+# (lightning_ddpx.fault.hook_state); their newcomers are healed as copies of a live replica.
 SUPPORTED_HOOKS = (
     "allreduce",
     "bf16",
@@ -186,6 +186,11 @@ class FaultTolerance:
     @property
     def world_size(self) -> int:
         return len(self.generation.members)
+
+    @property
+    def comm_hook_state(self) -> Any:
+        """The state of the hook registered by :meth:`wrap`/:meth:`attach` (``None`` without one)."""
+        return self._hook[0] if self._hook is not None else None
 
     def wrap(
         self,
@@ -393,14 +398,15 @@ class FaultTolerance:
             self._release_group()
             return fallback()
 
-    def average_after_step(self, optimizers: Any = None) -> bool:
+    def average_after_step(self, optimizers: Any = None, admit: bool = True) -> bool:
         """After each applied ``optimizer.step()`` of a model whose hook averages parameters (DiLoCo,
         post-local SGD), instead of ``model.average_parameters_after_step()``: counts the step, and when the
         outer step (the average) is due, runs it fault-tolerantly. The parameters and the hook's state are
         snapshotted first; if a member is lost during the exchange, every member puts both back, the
         survivors regroup and run it again among themselves (the lost replica's local steps are lost, theirs
-        are not). Right after an average the replicas are equal: waiting newcomers are admitted and healed
-        there. Returns whether the parameters changed."""
+        are not). Right after an average waiting newcomers are admitted and healed, as copies of the peer
+        that sends them its replica, unless ``admit=False`` (the Trainer admits at an epoch's start only).
+        Returns whether the parameters changed."""
         model = self.model
         if model is None:
             raise RuntimeError(
@@ -427,7 +433,7 @@ class FaultTolerance:
             decision = vote(self.store, self.membership, self.generation, self._attempt, error is None)
             if decision != ABORT:
                 self._admission_waiting = self._admission_waiting or decision == COMMIT_AND_ADMIT
-                self._at_boundary(admit=True)  # the replicas are equal now: newcomers may join
+                self._at_boundary(admit)  # plain DiLoCo's and post-local SGD's replicas are equal now
                 return changed
             with torch.no_grad():
                 for param, saved in zip(params, saved_params):
@@ -751,20 +757,15 @@ def check_post_local_sgd_options(subgroup: Any, hierarchy: Any, period: Any) -> 
 
 
 def check_diloco_options(options: Any) -> None:
-    """DiLoCo follows a membership change only in its plain form: one fragment, no overlap, no mixing (the
-    replicas are equal right after each outer step, where newcomers join; and no exchange is in flight
-    across steps, where a failure could not be voted on)."""
-    for name, value, allowed in (
-        ("fragments", options.fragments, 1),
-        ("overlap_steps", options.overlap_steps, 0),
-        ("mixing", options.mixing, 0.0),
-    ):
-        if value != allowed:
-            raise ValueError(
-                f"lightning_ddpx fault tolerance: DiLoCo with {name}={value!r} is not supported (streaming "
-                f"DiLoCo keeps exchanges in flight across steps and replicas that never all agree); use "
-                f"{name}={allowed!r}."
-            )
+    """DiLoCo follows a membership change without overlap: every fragment's exchange starts and ends within
+    the step that sends it, where it is snapshotted and voted on. With ``overlap_steps`` an exchange stays in
+    flight across steps on the group of the step that sent it, which a membership change destroys."""
+    if options.overlap_steps != 0:
+        raise ValueError(
+            f"lightning_ddpx fault tolerance: DiLoCo with overlap_steps={options.overlap_steps!r} is not "
+            "supported (an exchange in flight across steps is not voted on, and a changed membership would "
+            "leave it on a destroyed group); use overlap_steps=0 (fragments and mixing are supported)."
+        )
 
 
 def _refuse_unsupported(model: DistributedDataParallel, hook_from_wrap: bool) -> None:

@@ -60,6 +60,7 @@ from lightning_ddpx.lightning.fault_tolerance_launch import (
     in_training_process,
     join_run,
 )
+from lightning_ddpx.lightning.fault_tolerance_metrics import MetricSyncGuard
 from lightning_ddpx.lightning.fault_tolerance_setup import CHECKPOINT_KEY as FAULT_TOLERANCE_KEY
 from lightning_ddpx.lightning.fault_tolerance_setup import follow_rank
 from lightning_ddpx.lightning.options import takes_ddpx_options
@@ -117,6 +118,9 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             cluster_environment = FaultTolerantEnvironment()
         # with fault_tolerance, this training process's part in the run, once fabric.launch() joined it
         self.fault_manager: Optional[FaultTolerance] = None
+        self._metric_syncs = MetricSyncGuard(
+            self._sync_between_steps
+        )  # torchmetrics' own, with fault_tolerance
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -224,6 +228,9 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             )
             if wrapped.parameter_averaging is not None:  # DiLoCo: its outer step, fault-tolerantly
                 self._averaged.append(wrapped)
+            self._metric_syncs.guard(
+                module
+            )  # its torchmetrics metrics: a loss in a sync gives their own value
             self._modules.add(wrapped)
             self._replicas.track(wrapped)
             return wrapped
@@ -440,6 +447,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             self.ddpx_config.verify_replicas_every_n_steps
         )  # closed ones forgotten
         super().teardown()
+        self._metric_syncs.release()
         if self.fault_manager is not None:
             self.fault_manager.close()
 
@@ -459,6 +467,12 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         return self._between_steps(
             lambda: super(DDPXStrategy, self).all_reduce(tensor, group, reduce_op), tensor
         )
+
+    def _sync_between_steps(self, run: Callable[[], Any], fallback: Callable[[], Any]) -> Any:
+        """:meth:`_between_steps` with the fallback computed (a metric left unsynced)."""
+        if self.fault_manager is None:
+            return run()
+        return self.fault_manager.outside_step(run, fallback)
 
     def _between_steps(self, run: Callable[[], Any], own: Any) -> Any:
         """With fault_tolerance, a collective that fails between steps gives this process's own value

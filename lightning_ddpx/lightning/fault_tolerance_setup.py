@@ -7,17 +7,22 @@ matters; the protocol itself (membership, votes, heals) is :class:`~lightning_dd
   optimizer steps only if every member's collectives succeeded. A discarded step counts like a step whose
   update was skipped (as AMP's inf/NaN check skips one): ``global_step`` moves, that batch's update is lost on
   every member, and the loop goes on with the next batch.
+- **Averages.** With DiLoCo or post-local SGD the average after a step (an outer step, a fragment's sync)
+  runs through ``FaultTolerance.average_after_step``: snapshotted, voted on, put back and rerun over the
+  survivors.
 - **Epoch boundaries.** At each training epoch's start (when the fit loop sets the samplers' epoch, or at its
   first batch without a sampler) the members pass :meth:`FaultTolerance.boundary`: replacements waiting are
   admitted there, and only there, because that is where a Lightning checkpoint resumes exactly. The
   lowest-ranked live peer sends the newcomer what ``trainer.save_checkpoint`` would write (module,
   optimizers, schedulers, loops, callbacks, precision), which the newcomer's ``fit`` restores as from
-  ``ckpt_path``; the replicas are then verified bit-identical. The ``DistributedSampler`` of each training
+  ``ckpt_path``; the replicas are then verified bit-identical (with DiLoCo or post-local SGD, whose replicas
+  differ there, the newcomer is verified a copy of the replica that sent it). The ``DistributedSampler`` of each training
   loader is resharded over the new membership there, so from the next epoch on every sample is seen once
   per epoch; within the epoch of a loss, the lost rank's remaining share is skipped.
 - **Between steps.** Lightning's barriers are no-ops; its broadcasts, reductions and gathers between steps
   (checkpoint paths, ``self.log(sync_dist=True)`` in validation, early stopping's decision) give this
-  process's own value when the group failed, and the membership changes at the next step.
+  process's own value when the group failed, and the membership changes at the next step; so do the
+  syncs of the LightningModule's torchmetrics metrics (:mod:`~lightning_ddpx.lightning.fault_tolerance_metrics`).
 - **Ranks.** ``trainer.global_rank``/``world_size`` and ``rank_zero_only`` follow the membership: after rank 0
   is lost, the new rank 0 logs and writes checkpoints, into the same logger version (pinned at the start).
 """
@@ -27,7 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
@@ -44,6 +49,7 @@ from lightning_ddpx.fault.membership import Generation
 from lightning_ddpx.fault.options import FaultToleranceOptions
 from lightning_ddpx.lightning import _compat as lightning_compat
 from lightning_ddpx.lightning.fault_tolerance_launch import continue_loggers, join_run
+from lightning_ddpx.lightning.fault_tolerance_metrics import MetricSyncGuard
 
 if TYPE_CHECKING:
     from lightning_ddpx.lightning.config import DDPXConfig
@@ -53,7 +59,6 @@ __all__ = [
     "TrainerFaultTolerance",
     "check_options",
     "check_trainer",
-    "check_trainer_options",
     "follow_rank",
 ]
 
@@ -70,9 +75,8 @@ def check_options(config: "DDPXConfig") -> None:
         name = hook if isinstance(hook, str) else getattr(hook, "__name__", type(hook).__name__)
         raise ValueError(
             f"DDPXStrategy: fault_tolerance does not support comm_hook={name!r}; the supported hooks are "
-            f"{list(SUPPORTED_HOOKS)} (with or without comm_wrapper). Post-local SGD keeps subgroups and "
-            "averages a membership change would leave stale; your own hooks keep state the fault tolerance "
-            "cannot roll back or hand on."
+            f"{list(SUPPORTED_HOOKS)} (with or without comm_wrapper); your own hooks keep state the fault "
+            "tolerance cannot roll back or hand on."
         )
     if config.diloco is not None:
         check_diloco_options(config.diloco)
@@ -92,19 +96,6 @@ def check_options(config: "DDPXConfig") -> None:
         raise ValueError(
             "DDPXStrategy: fault_tolerance cannot be combined with uneven_inputs='error': every rank's "
             "training loader is sharded by the membership (equal lengths), and a changed membership reshards it."
-        )
-
-
-def check_trainer_options(config: "DDPXConfig") -> None:
-    """What the Trainer strategy refuses beyond :func:`check_options`: DiLoCo and post-local SGD, whose
-    replicas differ between averages, where the Trainer admits replacements (at an epoch's start, to resume
-    a Lightning checkpoint exactly)."""
-    if config.comm_hook in ("diloco", "post_local_sgd"):
-        raise ValueError(
-            f"DDPXStrategy: the Trainer strategy does not support fault_tolerance with "
-            f"comm_hook={config.comm_hook!r}: it admits replacements at an epoch's start, where the replicas "
-            "of a hook that averages parameters differ. Fabric and the bare module support it "
-            "(docs/fault-tolerance.md)."
         )
 
 
@@ -140,6 +131,7 @@ class TrainerFaultTolerance:
         self._sharded_for: Optional[tuple[int, int]] = None  # (world size, rank) the samplers were built for
         self._restored = False  # a newcomer's checkpoint was handed to its fit
         self._logged: dict[str, float] = {}
+        self.metrics = MetricSyncGuard(self.between_steps)  # torchmetrics' own syncs, at set-up
 
     # ------------------------------------------------------------------------------------------ join
     def join(self, trainer: Any, environment: Any) -> FaultTolerance:
@@ -245,10 +237,16 @@ class TrainerFaultTolerance:
 
     # ----------------------------------------------------------------------------------- the steps
     def optimizer_step(
-        self, step: Callable[[Callable[[], Any]], Any], closure: Callable[[], Any], batch_idx: int
+        self,
+        step: Callable[[Callable[[], Any]], Any],
+        closure: Callable[[], Any],
+        batch_idx: int,
+        optimizers: Sequence[Any] = (),
     ) -> Any:
         """Run the closure inside a fault-tolerant step; ``step(closure)`` (the optimizer's) only if every
-        member's collectives succeeded."""
+        member's collectives succeeded. Then a hook that averages parameters (DiLoCo's outer step,
+        post-local SGD's average) averages when due, voted on and retried over the survivors; replacements
+        still wait for the next epoch's start."""
         assert self.fault is not None
         with self.fault.step(admit=False) as outcome:
             loss = closure()
@@ -265,6 +263,9 @@ class TrainerFaultTolerance:
             self.log_membership(force=True)
             return None
         result = step(lambda: loss)
+        if self.fault.model is not None and self.fault.model.parameter_averaging is not None:
+            optimizers = [lightning_compat.unwrapped_optimizer(o) for o in optimizers]
+            self.fault.average_after_step(optimizers, admit=False)
         self.log_membership(force=False)
         return result
 
@@ -290,6 +291,7 @@ class TrainerFaultTolerance:
         return self.fault.outside_step(run, fallback)
 
     def close(self) -> None:
+        self.metrics.release()
         if self.fault is not None:
             self.fault.close()
 

@@ -63,7 +63,6 @@ from lightning_ddpx.lightning.fault_tolerance_setup import (
     CHECKPOINT_KEY,
     TrainerFaultTolerance,
     check_trainer,
-    check_trainer_options,
     follow_rank,
 )
 from lightning_ddpx.lightning.options import takes_ddpx_options
@@ -138,7 +137,6 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
                     "(docs/fault-tolerance.md)."
                 )
             cluster_environment = FaultTolerantEnvironment()
-            check_trainer_options(self.ddpx_config)
         # with fault_tolerance: what the strategy does differently in a training process (fault_tolerance_setup)
         self._fault = TrainerFaultTolerance(fault_options) if fault_options is not None else None
         super().__init__(
@@ -272,6 +270,8 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         if fitting:
             lightning_compat.optimizers_to_device(self.optimizers, self.root_device)
             self._enable_model_averaging()
+            if self._fault is not None and self.lightning_module is not None:
+                self._fault.metrics.guard(self.lightning_module)  # a loss in a metric's sync: its own value
 
     @override
     def _enable_model_averaging(self) -> None:
@@ -300,7 +300,10 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
                 lambda done: super(DDPXStrategy, self).optimizer_step(optimizer, done, model, **kwargs),
                 closure,
                 trainer.fit_loop.epoch_loop.batch_idx if trainer is not None else -1,
+                self.optimizers,
             )
+            if self._averaging is not None and self.comm_stats_every_n_steps and trainer is not None:
+                diloco_setup.log_outer_syncs(self._hook_state, trainer)  # DiLoCo: bytes of each outer sync
             self._fault.between_steps(
                 lambda: self._replicas.after_optimizer_step(self._our_model()), lambda: None
             )
@@ -359,8 +362,11 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
                 comm_hook=config.comm_hook,  # a name: check_options refused the rest
                 comm_wrapper=config.comm_wrapper,
                 powersgd=config.powersgd,
+                diloco=config.diloco,
+                post_local_sgd=config.post_local_sgd if config.comm_hook == "post_local_sgd" else None,
                 synchronized=fault.generation.number == 1,
             )
+            self._hook_state = fault.comm_hook_state
             return
         log.debug(f"{type(self).__name__}: registering comm hook {self.hook_name}")
         self._hook_state = self.ddpx_config.register_hook(self.model)
