@@ -17,7 +17,8 @@ torchmetrics metric the survivors then compute). Each validation appends ``globa
 ``FAULT_JOB_RESUME`` (a checkpoint for ``fit(ckpt_path=...)``), ``FAULT_JOB_REPLACEMENTS`` (1), ``FAULT_JOB_HOOK`` (``powersgd``: compressing from step 2; ``diloco``,
 ``diloco-streaming``, ``post_local_sgd``: the hook column is then ``count:digest`` of the hook's shared state,
 see ``averaging_digest``), ``FAULT_JOB_PAUSE_S`` (per step while fewer than
-``FAULT_JOB_DEVICES`` members train: time for a replacement to start before the next epoch).
+``FAULT_JOB_DEVICES`` members train: time for a replacement to start before the next epoch),
+``FAULT_JOB_UNEVEN`` (no DistributedSampler: each rank its own slice of the data, rank 2's a batch shorter).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torchmetrics
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from lightning_ddpx import DDPXStrategy
 from tests.fault_job import hook_digest
@@ -151,6 +152,10 @@ class Job(L.LightningModule):
         return TensorDataset(x, x.sum(dim=1, keepdim=True).sin())
 
     def train_dataloader(self):
+        if os.environ.get("FAULT_JOB_UNEVEN"):  # each rank its own slice, rank 2's a batch shorter
+            rank, size = self.global_rank, self.trainer.world_size
+            share = list(range(rank, SAMPLES, size))
+            return DataLoader(Subset(self._data(), share[:-BATCH] if rank == 2 else share), batch_size=BATCH)
         return DataLoader(self._data(), batch_size=BATCH, shuffle=True)
 
     def val_dataloader(self):
@@ -192,6 +197,7 @@ def main() -> None:
         enable_model_summary=False,
         log_every_n_steps=1,
         num_sanity_val_steps=0,
+        use_distributed_sampler=not os.environ.get("FAULT_JOB_UNEVEN"),
     )
     model = Job()
     trainer.fit(model, ckpt_path=os.environ.get("FAULT_JOB_RESUME") or None)

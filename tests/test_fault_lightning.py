@@ -180,6 +180,27 @@ def test_a_process_lost_during_validation_leaves_each_survivor_its_own_metric_fo
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
+def test_ranks_with_different_numbers_of_batches_are_refused_at_the_epochs_start_naming_each_count(tmp_path):
+    """Without a DistributedSampler rank 2 gets a batch fewer: its steps and the others' would no longer
+    pair up (a gradient all-reduce meeting an end-of-epoch collective). Every process refuses it at the
+    epoch's start, naming each rank's count, before any step; the run ends at once (no replacement waits
+    for a run whose members are all gone)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    done = run_job(
+        [sys.executable, JOB, str(out)],
+        timeout=150,
+        env=job_env(PYTHONWARNINGS="ignore", DDPX_SHARED_MEMORY="0", FAULT_JOB_UNEVEN="1"),
+    )
+    assert done.returncode != 0
+    assert "fault_tolerance needs every rank to get the same number of training batches" in done.stderr
+    assert "gives ranks {0: 8, 1: 8, 2: 7} batches" in done.stderr
+    assert not list(out.glob("0*.log")), "a step ran"
+    assert "not admitted into the run within join_timeout_s" not in done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
 def test_without_a_failure_fit_returns_the_trained_model_in_the_launching_process(tmp_path):
     out, main, logs, _ = run_trainer_job(tmp_path, FAULT_JOB_REPLACEMENTS="0")
     assert sorted(logs) == ["00000", "00001", "00002"]

@@ -229,6 +229,12 @@ class Membership:
                 first = self._maybe_propose_first(initial_world_size, time.monotonic() - started)
                 if first is not None and self.uid in first.members:
                     return first
+            if latest and not self._any_member_alive(latest):
+                raise FaultToleranceError(
+                    f"lightning_ddpx fault tolerance: every member of generation {latest} was lost before "
+                    f"process {self.uid} was admitted: no live peer is left to heal it from (their logs say "
+                    "why they ended)."
+                )
             if time.monotonic() - started > self.join_timeout_s:
                 if latest and self._any_member_alive(latest):
                     started = time.monotonic()  # the run is training: its next admission will come

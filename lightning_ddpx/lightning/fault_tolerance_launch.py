@@ -177,10 +177,11 @@ class FaultTolerantLauncher(lightning_compat.TrainerLauncher):
             path = os.path.join(directory, "results.pt")
             code = supervise(self.num_processes, self.options, {ENV_RESULTS: path})
             if not os.path.exists(path):
+                ended = f" (exit code {code})" if code else ""  # 0: only a replacement that found no run left
                 raise FaultToleranceError(
-                    f"lightning_ddpx fault tolerance: the training processes ended (exit code {code}) and none "
-                    "returned the trained model: every process was lost, or more were lost than replacements "
-                    "and min_ranks allow. Their logs say why."
+                    f"lightning_ddpx fault tolerance: the training processes ended{ended} and none returned the "
+                    "trained model: every process was lost, or more were lost than replacements and min_ranks "
+                    "allow. Their logs say why."
                 )
             return _recover_results(trainer, path)
 

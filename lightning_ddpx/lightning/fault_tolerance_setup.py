@@ -34,6 +34,7 @@ import logging
 import math
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
+import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -216,7 +217,27 @@ class TrainerFaultTolerance:
         self._boundary_epoch = trainer.current_epoch
         fault.boundary(admit=True)
         self._reshard(fault)
+        self._check_equal_batches()
         self.log_membership(force=True)
+
+    def _check_equal_batches(self) -> None:
+        """Every member must run as many training batches this epoch as the others: the steps are agreed
+        one by one, so a member with a batch more would start a step (its gradients' all-reduce) that the
+        others never join, and its collective would meet theirs of the epoch's end. Compared once per epoch
+        (an all-gather of one number); refused on every member alike, naming each rank's count. A loader
+        without a length is not checked."""
+        batches = self.trainer.fit_loop.max_batches
+        if not isinstance(batches, int):
+            return
+        counts = self.between_steps(lambda: _gather_ints(batches), lambda: None)
+        if counts is not None and len(set(counts)) > 1:
+            by_rank = dict(enumerate(counts))
+            raise ValueError(
+                f"DDPXStrategy: fault_tolerance needs every rank to get the same number of training batches per "
+                f"epoch; epoch {self.trainer.current_epoch} gives ranks {by_rank} batches. Let Lightning add "
+                "its DistributedSampler (use_distributed_sampler=True, the default), which the fault "
+                "tolerance reshards when the membership changes, or make your sampler give every rank as many."
+            )
 
     def _reshard(self, fault: FaultTolerance) -> None:
         shard = (fault.world_size, fault.rank)
@@ -294,6 +315,14 @@ class TrainerFaultTolerance:
         self.metrics.release()
         if self.fault is not None:
             self.fault.close()
+
+
+def _gather_ints(value: int) -> list[int]:
+    """Every member's ``value``, by rank (a collective of the default group)."""
+    mine = torch.tensor([value], dtype=torch.int64)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, mine)
+    return [int(part.item()) for part in parts]
 
 
 def follow_rank(rank: int) -> None:
