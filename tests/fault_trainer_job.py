@@ -179,10 +179,11 @@ def main() -> None:
     # shared state
     powersgd = {"start_powerSGD_iter": 2, "matrix_approximation_rank": 1} if hook == "powersgd" else None
     # DiLoCo: an outer step every 3 inner steps; post-local SGD: 2 steps of global averaging, then local
-    # steps averaged every 3; streaming DiLoCo (diloco-streaming): two fragments synced in turn every 3 steps, mixed
+    # steps averaged every 3; streaming DiLoCo (diloco-streaming): two fragments sent in turn every 3 steps, each
+    # applied a step later and mixed
     averaging = {
         "diloco": {"diloco": {"period": 3}},
-        "diloco-streaming": {"diloco": {"period": 6, "fragments": 2, "mixing": 0.5}},
+        "diloco-streaming": {"diloco": {"period": 6, "fragments": 2, "mixing": 0.5, "overlap_steps": 1}},
         "post_local_sgd": {"post_local_sgd": {"start_localSGD_iter": 2, "period": 3, "subgroup": 1}},
     }.get(hook or "", {})
     hook = "diloco" if hook == "diloco-streaming" else hook

@@ -14,7 +14,14 @@ import torch
 from torch import nn
 
 from lightning_ddpx.hooks.diloco import DiLoCoOptions, DiLoCoState, fragment_of_parameters
-from lightning_ddpx.hooks.outer_exchange import BLOCK, dequantize, divide, quantize, start_exchange
+from lightning_ddpx.hooks.outer_exchange import (
+    BLOCK,
+    CompletedMean,
+    dequantize,
+    divide,
+    quantize,
+    start_exchange,
+)
 from lightning_ddpx.lightning.config import DDPXConfig
 from tests.cuda_division import CudaDivisionRule, correctly_rounded_quotient
 from tests.dist_utils import one_rank_group, run_distributed
@@ -385,3 +392,38 @@ def test_quantized_means_are_the_same_bits_under_either_devices_rule_on_three_ra
         for out in results:
             for rule in RULES:
                 assert torch.equal(out[f"{precision} {rule}"], reference), (precision, rule)
+
+
+def _train_overlapped(complete_at_send: bool, precision: str) -> list[torch.Tensor]:
+    """12 inner steps of streaming DiLoCo with overlap on this rank's own data; its parameters and anchors."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    options = {"period": 4, "fragments": 2, "overlap_steps": 2, "mixing": 0.3, "precision": precision}
+    state = DiLoCoState(DiLoCoOptions(**options))
+    state.attach(model.parameters())
+    state.complete_at_send = complete_at_send
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    rank = torch.distributed.get_rank()
+    for step in range(12):
+        _step(model, state, optimizer, 100 * rank + step)  # each rank its own data: the means matter
+        if step + 1 == 2:  # fragment 0 was sent: its mean known at once only when completed at send
+            assert isinstance(state._in_flight[0].exchange, CompletedMean) == complete_at_send
+    return [p.detach().clone() for p in model.parameters()] + [a.clone() for a in state.anchors]
+
+
+def overlapped_both_ways(rank: int, world_size: int) -> dict[str, bool]:
+    torch.set_num_threads(1)
+    same = {}
+    for precision in ("fp32", "int8"):
+        in_flight = _train_overlapped(False, precision)
+        completed = _train_overlapped(True, precision)
+        same[precision] = all(torch.equal(a, b) for a, b in zip(in_flight, completed))
+    return same
+
+
+def test_exchanges_completed_at_send_give_the_same_bits_as_exchanges_in_flight() -> None:
+    """The fault tolerance completes each exchange within the step that sends it (complete_at_send);
+    applied ``overlap_steps`` later and mixed as usual, the parameters and anchors are bitwise those of the
+    exchanges left in flight, on two ranks with their own data, in full precision and quantized."""
+    for outcome in run_distributed(overlapped_both_ways, 2, timeout=120):
+        assert outcome == {"fp32": True, "int8": True}, outcome

@@ -232,7 +232,6 @@ def test_the_option_is_in_both_strategies_signatures_and_takes_a_bool_or_a_dict(
 @pytest.mark.parametrize(
     ("kwargs", "named"),
     [
-        ({"comm_hook": "diloco", "diloco": {"period": 4, "overlap_steps": 1}}, "overlap_steps=1"),
         ({"comm_hook": "post_local_sgd", "post_local_sgd": {"period": 4, "subgroup": 2}}, "subgroup=2"),
         ({"overlap_optimizer": True}, "overlap_optimizer"),
         ({"uneven_inputs": "error"}, "uneven_inputs"),

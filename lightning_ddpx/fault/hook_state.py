@@ -17,6 +17,10 @@ DiLoCo's state (:class:`~lightning_ddpx.hooks.diloco.DiLoCoState`: anchors, oute
 is all shared and moves only at an outer exchange (each fragment's, for streaming DiLoCo), which the fault
 tolerance snapshots and votes on itself
 (:meth:`~lightning_ddpx.fault.manager.FaultTolerance.average_after_step`); a newcomer receives all of it.
+With ``overlap_steps`` each exchange completes within the step that sends it (``complete_at_send``), so
+that it is voted on there and no exchange is in flight on a group a membership change destroys; its mean
+is applied ``overlap_steps`` later, as without fault tolerance (the same numbers; the communication is
+not hidden behind the inner steps).
 Post-local SGD's (:class:`~lightning_ddpx.hooks.PostLocalSGDState`): its iteration moves in backward during
 the warm-up, so it is snapshotted and put back like PowerSGD's; its averager's step moves at an average,
 which the fault tolerance votes on like DiLoCo's outer step; each generation makes its gradient subgroup
@@ -25,6 +29,7 @@ again (``subgroup=1``: every rank on its own).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from lightning_ddpx.hooks.diloco import DiLoCoState
@@ -33,6 +38,8 @@ from lightning_ddpx.hooks.powersgd.state import PowerSGDState
 
 __all__ = ["HookState"]
 
+log = logging.getLogger("lightning_ddpx.fault")
+
 
 class HookState:
     """The fault tolerance's handle on one registered hook state (``None`` for the stateless hooks)."""
@@ -40,6 +47,18 @@ class HookState:
     def __init__(self, state: Any) -> None:
         self.state = state if isinstance(state, PowerSGDState) else None
         self.diloco = state if isinstance(state, DiLoCoState) else None
+        if self.diloco is not None:  # no exchange in flight across steps, where no vote could cover it
+            self.diloco.complete_at_send = True
+            overlap = self.diloco.options.overlap_steps
+            if overlap:
+                log.warning(
+                    "lightning_ddpx fault tolerance: DiLoCo with overlap_steps=%d: each exchange completes within "
+                    "the step that sends it (where the members vote on it) and its mean is applied %d step(s) "
+                    "later, as without fault tolerance: the same numbers, but the communication is not hidden "
+                    "behind the inner steps.",
+                    overlap,
+                    overlap,
+                )
         self.post_local_sgd = state if isinstance(state, PostLocalSGDState) else None
         self._before_step: dict[str, Any] | None = None
         self._iter_before_step = 0

@@ -54,7 +54,6 @@ from lightning_ddpx.fault.hook_state import HookState
 from lightning_ddpx.fault.launch_env import LaunchInfo, connect, launch_info_from_environment
 from lightning_ddpx.fault.membership import FaultToleranceError, Generation, Membership, RunEnded
 from lightning_ddpx.fault.options import FaultToleranceOptions
-from lightning_ddpx.hooks.diloco import DiLoCoOptions
 from lightning_ddpx.hooks.post_local_sgd import PostLocalSGDOptions
 from lightning_ddpx.hooks.registry import build_comm_hook
 
@@ -64,7 +63,6 @@ __all__ = [
     "FaultToleranceStats",
     "RunEnded",
     "StepOutcome",
-    "check_diloco_options",
     "check_post_local_sgd_options",
 ]
 
@@ -249,7 +247,7 @@ class FaultTolerance:
             raise RuntimeError(
                 "lightning_ddpx fault tolerance: a model is already attached; one model per run."
             )
-        _check_averaging_options(comm_hook, diloco, post_local_sgd)  # before post-local SGD makes subgroups
+        _check_averaging_options(comm_hook, post_local_sgd)  # before post-local SGD makes subgroups
         if comm_hook is not None:
             given = {"powersgd": powersgd, "diloco": diloco, "post_local_sgd": post_local_sgd}
             options = {name: value for name, value in given.items() if value is not None}
@@ -728,11 +726,9 @@ def _check_hook(comm_hook: str | None, comm_wrapper: str | None) -> None:
         raise ValueError("lightning_ddpx fault tolerance: comm_wrapper needs a comm_hook to wrap.")
 
 
-def _check_averaging_options(comm_hook: str | None, diloco: Any, post_local_sgd: Any) -> None:
-    """The averaging hooks' options (a dict or the options type), refused by name before their state exists."""
-    if comm_hook == "diloco":
-        given = diloco if diloco is not None else {}
-        check_diloco_options(DiLoCoOptions.from_dict(given) if isinstance(given, dict) else given)
+def _check_averaging_options(comm_hook: str | None, post_local_sgd: Any) -> None:
+    """Post-local SGD's options (a dict or the options type), refused by name before its subgroups exist.
+    Every DiLoCo option is supported (:class:`~lightning_ddpx.fault.hook_state.HookState`)."""
     if comm_hook == "post_local_sgd":
         given = post_local_sgd if post_local_sgd is not None else {}
         options = PostLocalSGDOptions(**given) if isinstance(given, dict) else given
@@ -754,18 +750,6 @@ def check_post_local_sgd_options(subgroup: Any, hierarchy: Any, period: Any) -> 
                 f"{wanted} (a membership change leaves other subgroups and hierarchies stale, and averages "
                 "made by hand are not voted on)."
             )
-
-
-def check_diloco_options(options: Any) -> None:
-    """DiLoCo follows a membership change without overlap: every fragment's exchange starts and ends within
-    the step that sends it, where it is snapshotted and voted on. With ``overlap_steps`` an exchange stays in
-    flight across steps on the group of the step that sent it, which a membership change destroys."""
-    if options.overlap_steps != 0:
-        raise ValueError(
-            f"lightning_ddpx fault tolerance: DiLoCo with overlap_steps={options.overlap_steps!r} is not "
-            "supported (an exchange in flight across steps is not voted on, and a changed membership would "
-            "leave it on a destroyed group); use overlap_steps=0 (fragments and mixing are supported)."
-        )
 
 
 def _refuse_unsupported(model: DistributedDataParallel, hook_from_wrap: bool) -> None:

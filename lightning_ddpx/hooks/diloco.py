@@ -192,6 +192,9 @@ class DiLoCoState:
         self.fragment_of: list[int] = []
         self.outer_optimizer: Optional[torch.optim.SGD] = None
         self._in_flight: dict[int, _InFlight] = {}
+        # the fault tolerance's setting: each exchange completes within the step that sends it (where the
+        # members vote on it); its mean is still applied overlap_steps later, mixed as usual
+        self.complete_at_send = False
 
     # --------------------------------------------------------------------------------------- set-up
     @property
@@ -301,12 +304,15 @@ class DiLoCoState:
                 delta,
                 self.options.precision,
                 self.process_group,
-                async_op=overlap > 0,
+                async_op=overlap > 0 and not self.complete_at_send,
                 what=f"DiLoCo outer delta (fragment {fragment})",
             )
         self.bytes_sent += exchange.bytes_sent
         self._new_syncs.append(OuterSync(step, fragment, exchange.bytes_sent))
         del self._new_syncs[:-_KEPT_SYNCS]  # nobody taking them (statistics off): keep the latest only
+        if self.complete_at_send:  # the same mean, known now: nothing left in flight across steps
+            with torch.no_grad():
+                exchange = CompletedMean(exchange.result())
         self._in_flight[fragment] = _InFlight(step + overlap, exchange)
 
     def _apply(self, fragment: int) -> None:

@@ -43,7 +43,6 @@ from torch.utils.data import DistributedSampler
 from lightning_ddpx.fault.manager import (
     SUPPORTED_HOOKS,
     FaultTolerance,
-    check_diloco_options,
     check_post_local_sgd_options,
 )
 from lightning_ddpx.fault.membership import Generation
@@ -79,8 +78,6 @@ def check_options(config: "DDPXConfig") -> None:
             f"{list(SUPPORTED_HOOKS)} (with or without comm_wrapper); your own hooks keep state the fault "
             "tolerance cannot roll back or hand on."
         )
-    if config.diloco is not None:
-        check_diloco_options(config.diloco)
     if hook == "post_local_sgd" and config.post_local_sgd is not None:
         options = config.post_local_sgd
         check_post_local_sgd_options(options.subgroup, options.hierarchy, options.period)
