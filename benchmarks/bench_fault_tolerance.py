@@ -170,20 +170,20 @@ def _read(path: str) -> str:
         return f.read()
 
 
-def run_ft(out_dir: str, job_args: list[str], replacements: int, timeout_s: float) -> str:
+def run_ft(out_dir: str, job_args: list[str], replacements: int, timeout_s: float, nproc: int = NPROC) -> str:
     """The job under the fault-tolerant launcher; the launcher's stderr (the children's included)."""
-    argv = [sys.executable, "-m", "lightning_ddpx.fault.launch", "--nproc", str(NPROC),
+    argv = [sys.executable, "-m", "lightning_ddpx.fault.launch", "--nproc", str(nproc),
             "--replacements", str(replacements), "--", JOB, "ft", out_dir, *job_args]  # fmt: skip
     return run_processes([(argv, job_env())], out_dir, timeout_s)[0]
 
 
-def run_plain(out_dir: str, job_args: list[str], timeout_s: float) -> float:
-    """The job as today's recipe starts it: 3 processes, ``env://``, a free port. Returns ``time.time()``
-    taken right before the first process was started."""
+def run_plain(out_dir: str, job_args: list[str], timeout_s: float, nproc: int = NPROC) -> float:
+    """The job as today's recipe starts it: ``nproc`` processes, ``env://``, a free port. Returns
+    ``time.time()`` taken right before the first process was started."""
     port = free_port()
     commands = []
-    for rank in range(NPROC):
-        env = {**job_env(), "RANK": str(rank), "WORLD_SIZE": str(NPROC), "MASTER_ADDR": "127.0.0.1",
+    for rank in range(nproc):
+        env = {**job_env(), "RANK": str(rank), "WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port)}  # fmt: skip
         commands.append(([sys.executable, JOB, "plain", out_dir, *job_args], env))
     launched = time.time()
@@ -410,10 +410,13 @@ def measure_overhead(args: argparse.Namespace, work: str) -> dict[str, Any]:
         for kind in ("plain", "ft") if pair % 2 == 0 else ("ft", "plain"):
             out_dir = os.path.join(work, f"overhead{pair}-{kind}")
             os.makedirs(out_dir)
+            job = [*model, *steps]
             if kind == "ft":
-                run_ft(out_dir, [*model, *steps, "--interleave", args.interleave], 0, args.timeout_s)
+                run_ft(
+                    out_dir, [*job, "--interleave", args.interleave], 0, args.timeout_s, args.overhead_ranks
+                )
             else:
-                run_plain(out_dir, [*model, *steps], args.timeout_s)
+                run_plain(out_dir, job, args.timeout_s, args.overhead_ranks)
             runs.append({"pair": pair, "kind": kind, **overhead_figures(out_dir, kind, args.warmup)})
     step = {kind: [r["step_s"] for r in runs if r["kind"] == kind] for kind in ("plain", "ft")}
     ratios = [ft / plain for ft, plain in zip(step["ft"], step["plain"])]
@@ -467,10 +470,26 @@ def overhead_figures(out_dir: str, kind: str, warmup: int) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------- report
-def report(args: argparse.Namespace, recovery: dict, heal: dict, overhead: dict) -> None:
+def ms(value: float) -> str:
+    return f"{1e3 * value:.1f} ms"
+
+
+def sec(value: float) -> str:
+    return f"{value:.2f} s"
+
+
+def report(args: argparse.Namespace, recovery: dict | None, heal: dict | None, overhead: dict | None) -> None:
+    """Print the sections that were measured."""
+    if recovery is not None:
+        report_recovery(args, recovery)
+    if heal is not None:
+        report_heal(heal, args)
+    if overhead is not None:
+        report_overhead(overhead, args)
+
+
+def report_recovery(args: argparse.Namespace, recovery: dict) -> None:
     s = recovery["summary"]
-    ms = lambda v: f"{1e3 * v:.1f} ms"  # noqa: E731
-    sec = lambda v: f"{v:.2f} s"  # noqa: E731
     params = mlp_parameters(args.io, args.width, args.depth)
     print(f"\n1. A process SIGKILLed mid-backward ({args.repeats} repeats; MLP {params / 1e6:.1f} M parameters, "
           f"3 ranks)")  # fmt: skip
@@ -501,6 +520,8 @@ def report(args: argparse.Namespace, recovery: dict, heal: dict, overhead: dict)
               "collective_timeout_s (the engine: 'no peer answered'): the other survivor had left that collective "
               "alive, and regrouping waits for every survivor")  # fmt: skip
 
+
+def report_heal(heal: dict, args: argparse.Namespace) -> None:
     print(
         f"\n2. A replacement healed with {heal['parameter_mib']:.1f} MiB of parameters ({heal['parameters'] / 1e6:.1f} M)"
     )
@@ -526,9 +547,12 @@ def report(args: argparse.Namespace, recovery: dict, heal: dict, overhead: dict)
             f"   (run {heal['attempt']}: the kill of each run before left a survivor in its collective until the timeout)"
         )
 
+
+def report_overhead(overhead: dict, args: argparse.Namespace) -> None:
     o = overhead["summary"]
     print(
-        f"\n3. Per-step cost when nothing fails ({args.pairs} pairs of runs, {args.steps} timed steps each)"
+        f"\n3. Per-step cost when nothing fails ({args.pairs} pairs of runs, {args.steps} timed steps each, "
+        f"{args.overhead_ranks} ranks)"
     )
     rows = [
         ["recipe (init_process_group + our DDP)", ms(o["plain_step_s"]), ""],
@@ -588,6 +612,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--warmup", type=int, default=5, help="3: untimed steps per run")
     parser.add_argument("--steps", type=int, default=40, help="3: timed steps per run")
     parser.add_argument("--interleave", default="12:5", metavar="ROUNDS:BLOCK", help="3: in-process blocks")
+    parser.add_argument("--overhead-ranks", type=int, default=NPROC,
+                        help="3: training processes (2 on this 2-core machine: one core each, as a GPU each)")  # fmt: skip
+    parser.add_argument("--sections", default="recovery,heal,overhead",
+                        help="which of recovery, heal, overhead to measure (comma-separated)")  # fmt: skip
     parser.add_argument("--collective-timeout-s", type=float, default=0.0,
                         help="1, 2: FaultToleranceOptions.collective_timeout_s (0: its default)")  # fmt: skip
     parser.add_argument("--timeout-s", type=float, default=300.0, help="per job")
@@ -601,13 +629,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.keep:
         os.makedirs(args.keep, exist_ok=True)
     work = tempfile.mkdtemp(prefix="ddpx-bench-ft-", dir=args.keep)
+    sections = set(args.sections.split(","))
+    unknown = sections - {"recovery", "heal", "overhead"}
+    if unknown:
+        parser.error(f"--sections: unknown {sorted(unknown)}; choose from recovery, heal, overhead")
+    recovery = heal = overhead = None
     try:
-        print(f"1. recovery: {args.repeats} kill(s), each followed by the recipe's restart", flush=True)
-        recovery = measure_recovery(args, work)
-        print("2. heal", flush=True)
-        heal = measure_heal(args, work)
-        print(f"3. per-step cost: {args.pairs} pair(s) of runs", flush=True)
-        overhead = measure_overhead(args, work)
+        if "recovery" in sections:
+            print(f"1. recovery: {args.repeats} kill(s), each followed by the recipe's restart", flush=True)
+            recovery = measure_recovery(args, work)
+        if "heal" in sections:
+            print("2. heal", flush=True)
+            heal = measure_heal(args, work)
+        if "overhead" in sections:
+            print(f"3. per-step cost: {args.pairs} pair(s) of runs, {args.overhead_ranks} ranks", flush=True)
+            overhead = measure_overhead(args, work)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -103,7 +103,7 @@ class FaultToleranceStats:
     failures: int = 0  # steps discarded because a member was lost
     members_lost: int = 0
     newcomers_healed: int = 0
-    last_recovery_s: float | None = None  # from a failed step to the next committed one
+    last_recovery_s: float | None = None  # from a failed step (or average) to the next committed one
     last_heal_s: float | None = None  # a newcomer's state sent, received and verified
     events: list[str] = field(default_factory=list)
 
@@ -333,9 +333,7 @@ class FaultTolerance:
         outcome.committed = decision != ABORT
         if outcome.committed:
             self.steps_committed += 1
-            if self._failed_at is not None:
-                self.stats.last_recovery_s = time.monotonic() - self._failed_at
-                self._failed_at = None
+            self._recovered()
             if decision == COMMIT_AND_ADMIT:
                 self._admission_waiting = True
         else:
@@ -430,6 +428,7 @@ class FaultTolerance:
             self._attempt += 1
             decision = vote(self.store, self.membership, self.generation, self._attempt, error is None)
             if decision != ABORT:
+                self._recovered()  # a failed average rerun: the survivors are going again
                 self._admission_waiting = self._admission_waiting or decision == COMMIT_AND_ADMIT
                 self._at_boundary(admit)  # plain DiLoCo's and post-local SGD's replicas are equal now
                 return changed
@@ -447,6 +446,12 @@ class FaultTolerance:
             )
             self._pending = "an outer step failed"
             self._at_boundary(admit=False)
+
+    def _recovered(self) -> None:
+        """A voted section committed: if one failed before, record how long the survivors took to go on."""
+        if self._failed_at is not None:
+            self.stats.last_recovery_s = time.monotonic() - self._failed_at
+            self._failed_at = None
 
     def _failure_to_vote(self, error: BaseException) -> str | None:
         """What this member votes about ``error`` raised inside a voted section: a communication failure
