@@ -384,6 +384,12 @@ try:
         pass
 except ValueError as error:
     print("refused:", error)
+try:
+    with model.join():  # uneven inputs (refused first: before the model's options are looked at)
+        with ft.step():
+            pass
+except ValueError as error:
+    print("refused:", error)
 ft.close()
 """
 
@@ -399,6 +405,10 @@ def test_what_cannot_survive_a_membership_change_is_refused_by_name_before_the_f
     )
     assert (
         "refused: lightning_ddpx fault tolerance: post-local SGD with period=None is not supported"
+        in done.stdout
+    )
+    assert (
+        "refused: lightning_ddpx fault tolerance: model.join() (uneven inputs) is not supported"
         in done.stdout
     )
     assert "refused: lightning_ddpx fault tolerance: the optimizer overlap" in done.stdout

@@ -310,6 +310,14 @@ class FaultTolerance:
         the same ``admit`` at the same step."""
         if self.model is None:
             raise RuntimeError("lightning_ddpx fault tolerance: call wrap(module) before the first step().")
+        if self.model.inside_join:  # every member alike, before any collective of the step
+            raise ValueError(
+                "lightning_ddpx fault tolerance: model.join() (uneven inputs) is not supported: a joined rank "
+                "shadows the others' collectives outside the steps the members agree on, and a membership "
+                "change would leave its count stale. Key the data on ft.steps_committed, ft.rank and "
+                "ft.world_size instead: every member then runs the same steps, and a lost rank's share goes "
+                "to the survivors."
+            )
         if not self._checked:
             _refuse_unsupported(self.model, self._hook is not None)
             self._checked = True

@@ -729,6 +729,11 @@ class DistributedDataParallel(nn.Module, Joinable):
     def join_process_group(self) -> dist.ProcessGroup:
         return self.process_group
 
+    @property
+    def inside_join(self) -> bool:
+        """Whether a :meth:`join` context is active on this module (its forwards announce themselves)."""
+        return bool(self._join_config.enable)
+
     def end_join(self) -> None:
         """Leave ``join()`` (its hook calls this on every rank): forwards no longer announce themselves and
         the default path averages over the whole group again."""
