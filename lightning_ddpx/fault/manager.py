@@ -25,7 +25,9 @@ What happens when a member is lost (docs/fault-tolerance.md):
 4. A newcomer (a replacement) registers and is admitted at a step boundary after a committed step; the
    lowest-ranked survivor sends it the module's parameters and buffers, every tracked object's state and the
    step counters, and :meth:`~lightning_ddpx.DistributedDataParallel.verify_replicas` proves every member
-   bit-identical before it trains.
+   bit-identical before it trains (with a hook that averages parameters, whose replicas differ between
+   averages: the newcomers bit-identical to the peer that sent them its replica, and the hook's shared
+   state identical on every member).
 """
 
 from __future__ import annotations
@@ -438,7 +440,7 @@ class FaultTolerance:
             if decision != ABORT:
                 self._recovered()  # a failed average rerun: the survivors are going again
                 self._admission_waiting = self._admission_waiting or decision == COMMIT_AND_ADMIT
-                self._at_boundary(admit)  # plain DiLoCo's and post-local SGD's replicas are equal now
+                self._at_boundary(admit)  # waiting newcomers join here (the Trainer: at an epoch's start)
                 return changed
             with torch.no_grad():
                 for param, saved in zip(params, saved_params):

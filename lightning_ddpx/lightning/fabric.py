@@ -118,9 +118,8 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             cluster_environment = FaultTolerantEnvironment()
         # with fault_tolerance, this training process's part in the run, once fabric.launch() joined it
         self.fault_manager: Optional[FaultTolerance] = None
-        self._metric_syncs = MetricSyncGuard(
-            self._sync_between_steps
-        )  # torchmetrics' own, with fault_tolerance
+        # with fault_tolerance, the torchmetrics metrics of the modules set up sync through it
+        self._metric_syncs = MetricSyncGuard(self._sync_between_steps)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -228,9 +227,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             )
             if wrapped.parameter_averaging is not None:  # DiLoCo: its outer step, fault-tolerantly
                 self._averaged.append(wrapped)
-            self._metric_syncs.guard(
-                module
-            )  # its torchmetrics metrics: a loss in a sync gives their own value
+            self._metric_syncs.guard(module)  # a loss during a metric's sync: its own value
             self._modules.add(wrapped)
             self._replicas.track(wrapped)
             return wrapped

@@ -15,14 +15,16 @@ matters; the protocol itself (membership, votes, heals) is :class:`~lightning_dd
   admitted there, and only there, because that is where a Lightning checkpoint resumes exactly. The
   lowest-ranked live peer sends the newcomer what ``trainer.save_checkpoint`` would write (module,
   optimizers, schedulers, loops, callbacks, precision), which the newcomer's ``fit`` restores as from
-  ``ckpt_path``; the replicas are then verified bit-identical (with DiLoCo or post-local SGD, whose replicas
-  differ there, the newcomer is verified a copy of the replica that sent it). The ``DistributedSampler`` of each training
-  loader is resharded over the new membership there, so from the next epoch on every sample is seen once
-  per epoch; within the epoch of a loss, the lost rank's remaining share is skipped.
+  ``ckpt_path``; the replicas are then verified bit-identical (with DiLoCo or post-local SGD, whose
+  replicas differ there, the newcomer is verified a copy of the replica that sent it). The
+  ``DistributedSampler`` of each training loader is resharded over the new membership there, so from the
+  next epoch on every sample is seen once per epoch; within the epoch of a loss, the lost rank's remaining
+  share is skipped. The members' batch counts are compared there too.
 - **Between steps.** Lightning's barriers are no-ops; its broadcasts, reductions and gathers between steps
   (checkpoint paths, ``self.log(sync_dist=True)`` in validation, early stopping's decision) give this
   process's own value when the group failed, and the membership changes at the next step; so do the
-  syncs of the LightningModule's torchmetrics metrics (:mod:`~lightning_ddpx.lightning.fault_tolerance_metrics`).
+  syncs of the LightningModule's torchmetrics metrics
+  (:mod:`~lightning_ddpx.lightning.fault_tolerance_metrics`).
 - **Ranks.** ``trainer.global_rank``/``world_size`` and ``rank_zero_only`` follow the membership: after rank 0
   is lost, the new rank 0 logs and writes checkpoints, into the same logger version (pinned at the start).
 """
