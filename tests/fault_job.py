@@ -12,7 +12,9 @@ applied), ``boundary`` (before the step starts), or ``save`` (inside ``save_chec
 replaces the last one: with ``FAULT_JOB_CHECKPOINT=path`` and ``FAULT_JOB_CHECKPOINT_EVERY=k``), or
 ``stall`` (stopped with SIGSTOP mid-backward, silent rather than dead, and resumed ``FAULT_JOB_STALL_S``
 seconds later); ``raise`` makes it raise a communication failure inside
-the step without dying (the fail-at injection: every member discards the step, nobody is lost); ``sync``
+the step without dying (the fail-at injection: every member discards the step, nobody is lost);
+``collective`` makes its second all-reduce of that step (a bucket's, mid-backward) fail on it alone (the
+others' collectives all succeed); ``sync``
 (DiLoCo) right before an outer step, which the others then run without it.
 """
 
@@ -28,6 +30,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_ddpx.engine.agreement.errors import CommunicationError
@@ -65,6 +68,25 @@ def batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Te
     x, y = torch.randn(24, 8, generator=g), torch.randn(24, 1, generator=g)
     share = [i for i in range(24) if i % world_size == rank]
     return x[share], y[share]
+
+
+def fail_at_a_collective(ft: FaultTolerance, step: int, me: str, injected: list) -> None:
+    """Make this process's second all-reduce of committed step ``step`` (a bucket's, mid-backward) fail here
+    only, once: it is issued, so the others' collective completes, and then raises a communication failure
+    on this process. The others' collectives all succeed; this member's do not."""
+    real_allreduce = dist.ProcessGroup.allreduce
+    calls = []
+
+    def failing_allreduce(group, *args, **kwargs):
+        work = real_allreduce(group, *args, **kwargs)
+        if ft.steps_committed == step and not injected:
+            calls.append(1)
+            if len(calls) == 2:
+                injected.append(True)
+                raise CommunicationError(f"injected failure at an all-reduce of process {me} at step {step}")
+        return work
+
+    dist.ProcessGroup.allreduce = failing_allreduce
 
 
 def main() -> None:
@@ -130,6 +152,8 @@ def main() -> None:
         os.replace = replace
     if kill_point in ("backward", "stall"):
         net[0].weight.register_hook(lambda g: (maybe_die(kill_point), g)[1])
+    if kill_point == "collective" and me == kill_uid:
+        fail_at_a_collective(ft, int(kill_step), me, injected)
     with open(os.path.join(out_dir, f"{me}.log"), "a") as log:
         while ft.steps_committed < steps:
             maybe_die("boundary")

@@ -23,6 +23,7 @@ from tests.dist_utils import job_env, run_job
 pytestmark = pytest.mark.timeout(240)
 
 STEPS = 12
+POWERSGD = {"powersgd": {"start_powerSGD_iter": 2, "matrix_approximation_rank": 1}}
 LAUNCH = [sys.executable, "-m", "lightning_ddpx.fault.launch", "--nproc", "3"]
 
 
@@ -90,6 +91,38 @@ def test_a_failure_injected_at_one_step_discards_it_on_every_member_and_nobody_i
     # the same three members go on in generation 2: nobody lost, nobody healed
     assert {row[1] for row in logs["00000"][5:]} == {2} and {row[2] for row in logs["00000"]} == {3}
     assert "healed" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("hook", "options"),
+    [("", {}), ("fp16", {}), ("powersgd", POWERSGD), ("batched_powersgd", POWERSGD)],
+    ids=["allreduce", "fp16", "powersgd", "batched_powersgd"],
+)
+def test_a_collective_that_fails_on_one_member_only_discards_the_step_on_every_member(
+    tmp_path, hook, options
+):
+    """Process 00001's second all-reduce of step 4 (a bucket's, mid-backward; PowerSGD compressing since
+    step 2) fails on it alone: the others' collectives all succeed, and they would apply the step. The vote
+    makes every member discard it; the same three members retry it in a new group, and every parameter (and
+    PowerSGD's shared state) is equal on every process after every step."""
+    done, logs = run_fault_job(
+        tmp_path,
+        kill="00001:4:collective",
+        hook=hook,
+        FAULT_JOB_DDP_OPTIONS=json.dumps(options),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "injected failure at an all-reduce of process 00001 at step 4" in done.stderr
+    # the others discard it too: their own collectives succeeded (the vote said abort), or failed once the
+    # failing member stopped issuing its own
+    assert done.stderr.count("step 4 discarded on every member of generation 1 (injected failure") == 1
+    assert done.stderr.count("step 4 discarded on every member of generation 1") == 3
+    if hook == "batched_powersgd":  # its second phase fails in a callback: the others' reductions all succeed
+        assert done.stderr.count("generation 1 (another member's collectives failed") == 2
+    assert_consistent(logs, ["00000", "00001", "00002"])
+    assert {row[2] for row in logs["00000"]} == {3} and "healed" not in done.stderr  # nobody lost
+    if options:
+        assert_same_hook_state(tmp_path / "logs", STEPS)
 
 
 @pytest.mark.parametrize(
@@ -188,9 +221,6 @@ def test_a_stateless_hook_follows_the_new_membership(tmp_path, hook):
     assert done.returncode == 0, done.stderr[-3000:]
     assert_consistent(logs, ["00000", "00001"], steps=16)
     assert "healed 00003 from 00000" in done.stderr and logs["00003"][-1][3] == 16
-
-
-POWERSGD = {"powersgd": {"start_powerSGD_iter": 2, "matrix_approximation_rank": 1}}
 
 
 def _hook_logs(out: Path) -> dict[str, list[tuple[int, int, str]]]:

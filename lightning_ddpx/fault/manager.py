@@ -72,6 +72,9 @@ log = logging.getLogger("lightning_ddpx.fault")
 
 _Result = TypeVar("_Result")
 
+# why a member whose own collectives succeeded discards a step: the vote does not say who aborted
+_ANOTHER_ABORTED = "another member's collectives failed, or a member was lost before voting"
+
 # Hooks that follow a membership change: the stateless ones (their only state is the default group, which
 # each membership rebuilds), PowerSGD, whose shared state is rolled back and handed on, and DiLoCo and
 # post-local SGD, whose averaging is snapshotted, voted on and retried over the survivors
@@ -350,7 +353,7 @@ class FaultTolerance:
             self._hook_state.after_discarded_step()  # the same shared hook state on every member again
             self.stats.failures += 1
             self._failed_at = self._failed_at or time.monotonic()
-            cause = outcome.error if outcome.error is not None else "a member was lost before voting"
+            cause = outcome.error if outcome.error is not None else _ANOTHER_ABORTED
             self._note(
                 f"step {self.steps_committed} discarded on every member of generation "
                 f"{self.generation.number} ({cause})"
@@ -448,7 +451,7 @@ class FaultTolerance:
             averaging.load_state_dict(saved_state)
             self.stats.failures += 1
             self._failed_at = self._failed_at or time.monotonic()
-            cause = error if error is not None else "a member was lost before voting"
+            cause = error if error is not None else _ANOTHER_ABORTED
             self._note(
                 f"{averaging.name} after step {self.steps_committed} failed on generation "
                 f"{self.generation.number} ({cause}); every member put its parameters back, the survivors "
@@ -526,6 +529,11 @@ class FaultTolerance:
     def _regroup(self, reason: str, admit: bool) -> None:
         if self.model is not None:
             self.model.release_process_group()  # the old group's connections close when it is destroyed
+        # A group released while its step's error was handled may still have been held then: the frames of
+        # that error's traceback (the caller's ``with`` holds it until the block ends) keep the reducer's
+        # gradient hooks, and through them the group. They are gone now; collect the cycle, so that its
+        # connections close before this member waits for the others (who may be blocked on it until then).
+        gc.collect()
         current = self.generation
         while True:
             generation = self.membership.next_generation(current, reason, admit_joiners=admit)
@@ -719,14 +727,18 @@ class FaultTolerance:
 
 
 def _forget_frames(error: BaseException) -> None:
-    """Clear the locals of the finished frames in ``error``'s tracebacks (its causes' too): while the error is
-    handled, the context manager machinery still holds it, and those frames (the reducer's, the failed
-    collective's) would keep the failed group, and its open connections, alive until the handling ends."""
+    """Let go of the frames in ``error``'s tracebacks (its causes' too): while the error is handled, the
+    context manager machinery still holds it, and those frames (the reducer's gradient hook, the failed
+    collective's) would keep the failed group, and its open connections, alive until the handling ends.
+    Clearing a finished frame's locals is not enough: a frame keeps its function, and a closure (the
+    reducer's per-parameter hook) keeps the reducer; so the tracebacks are dropped too (the error was
+    voted on by its first line, which is what the logs say)."""
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         if error.__traceback__ is not None:
             traceback.clear_frames(error.__traceback__)  # skips frames still running (the caller's)
+            error.__traceback__ = None
         error = error.__cause__ or error.__context__  # type: ignore[assignment]
 
 
