@@ -230,3 +230,15 @@ def test_no_member_holding_the_trained_state_left_stops_the_run_by_name(server):
         FaultToleranceError, match="no member holding the trained state is left in generation 3"
     ):
         d.next_generation(gen2, "step 9 failed")
+
+
+def test_an_agreement_is_the_first_proposal_on_every_member_and_numbered_per_generation(server):
+    """Two members reached different decisions (one got every member's answer, the other only its own):
+    both read the first one proposed, for each agreement of the generation; the next generation starts
+    its numbering afresh."""
+    a, b = membership(server, "a"), membership(server, "b")
+    first = Generation(1, ("a", "b"), (), 2, "start")
+    assert a.agree(first, 1, "1") == "1" and b.agree(first, 1, "0") == "1"  # a's came first
+    assert b.agree(first, 2, "0") == "0" and a.agree(first, 2, "1") == "0"  # b's came first
+    second = Generation(2, ("a", "b"), ("a", "b"), 2, "step failed")
+    assert b.agree(second, 1, "0") == "0" and a.agree(second, 1, "1") == "0"

@@ -167,6 +167,7 @@ class FaultTolerance:
         self._tracked: list[Any] = []
         self.steps_committed = 0
         self._attempt = 0  # step attempts in this generation (the vote's key)
+        self._agreements = 0  # agree() calls in this generation (the agreements' keys)
         self._pending: str | None = None  # why the membership must change at the next boundary
         self._admission_waiting = False  # a committed step saw joiners waiting: admit them when allowed
         self._skip_transfer = False  # the next heal only verifies (this process's state is already there)
@@ -407,6 +408,14 @@ class FaultTolerance:
             self._release_group()
             return fallback()
 
+    def agree(self, decision: bool) -> bool:
+        """``decision``, taken between steps from a collective that may have failed on some members and not
+        on others (a reduced boolean: early stopping's), made one decision on every member: the first
+        member's to reach the store. Every member calls it at the same points, in the same order."""
+        self._agreements += 1
+        agreed = self.membership.agree(self.generation, self._agreements, "1" if decision else "0")
+        return agreed == "1"
+
     def average_after_step(self, optimizers: Any = None, admit: bool = True) -> bool:
         """After each applied ``optimizer.step()`` of a model whose hook averages parameters (DiLoCo,
         post-local SGD), instead of ``model.average_parameters_after_step()``: counts the step, and when the
@@ -556,6 +565,7 @@ class FaultTolerance:
             dist.destroy_process_group()
         self.generation = generation
         self._attempt = 0
+        self._agreements = 0
         dist.init_process_group(
             self.backend,
             store=dist.PrefixStore(f"ft/gen/{generation.number}/pg/", self.store),

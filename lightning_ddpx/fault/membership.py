@@ -168,6 +168,14 @@ class Membership:
     def joiner_count(self) -> int:
         return int(self.store.add("ft/joiner_count", 0))
 
+    def agree(self, generation: Generation, index: int, value: str) -> str:
+        """The value every member of ``generation`` reads for its ``index``-th agreement, whatever each
+        proposes: the first proposal written (``compare_set``). For a decision between steps that a failed
+        collective may have left different on different members (one got every member's answer, another
+        only its own): read through the store, it is one answer on every member."""
+        key = f"ft/gen/{generation.number}/agree/{index}"
+        return self.store.compare_set(key, "", value).decode()
+
     def leave(self, generation: Generation) -> None:
         """This member leaves the run (its training ended): counted, so that a joiner waiting for admission
         learns when every member has left."""

@@ -310,6 +310,13 @@ class TrainerFaultTolerance:
             return fallback()
         return self.fault.outside_step(run, fallback)
 
+    def agree(self, decision: bool) -> bool:
+        """A boolean decision between steps, one on every member even if its collective failed on some
+        (:meth:`FaultTolerance.agree`); as given outside a training process."""
+        if self.fault is None:
+            return decision
+        return self.fault.agree(decision)
+
     def close(self) -> None:
         self.metrics.release()
         if self.fault is not None:

@@ -445,9 +445,10 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         if self._fault is None:
             return super().reduce_boolean_decision(decision, all)
-        return self._fault.between_steps(
+        reached = self._fault.between_steps(
             lambda: super(DDPXStrategy, self).reduce_boolean_decision(decision, all), lambda: decision
         )
+        return self._fault.agree(reached)  # one decision on every member, the reduction failed or not
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
