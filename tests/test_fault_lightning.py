@@ -369,6 +369,37 @@ def test_a_fault_tolerant_checkpoint_resumes_at_another_world_size_with_powersgd
     assert all(len(found) == 1 for found in steps.values())
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_fault_tolerant_diloco_checkpoint_resumes_at_another_world_size_with_its_anchors(tmp_path):
+    """DiLoCo (an outer step every 3 inner steps) under fault tolerance: three processes save, the checkpoint
+    holds DiLoCo's whole shared state (inner steps, anchors, outer momentum); two resume it and go on from
+    its inner step, with the anchors equal on both at every step."""
+    first, _, _, _ = run_trainer_job(
+        tmp_path / "three", FAULT_JOB_HOOK="diloco", FAULT_JOB_EPOCHS="2", FAULT_JOB_REPLACEMENTS="0"
+    )
+    checkpoint = first / "checkpoints" / "epoch=1-step=16.ckpt"
+    entry = torch.load(checkpoint, weights_only=False)["lightning_ddpx_fault_tolerance"]
+    assert entry["world_size"] == 3 and entry["hook"]["step"] == 16 and entry["hook"]["syncs"] == 5
+    _, main, logs, _ = run_trainer_job(
+        tmp_path / "two",
+        FAULT_JOB_HOOK="diloco",
+        FAULT_JOB_DEVICES="2",
+        FAULT_JOB_EPOCHS="3",
+        FAULT_JOB_REPLACEMENTS="0",
+        FAULT_JOB_RESUME=str(checkpoint),
+    )
+    assert sorted(logs) == ["00000", "00001"]
+    first_rows = [lines[0] for lines in logs.values()]
+    assert {(row[3], row[4], row[8].split(":")[0]) for row in first_rows} == {("2", "17", "17")}
+    anchors = defaultdict(set)
+    for lines in logs.values():
+        for line in lines:
+            anchors[int(line[4])].add(line[8])
+    assert all(len(found) == 1 for found in anchors.values()), anchors
+    assert main["global_step"] > 16
+
+
 def test_the_metric_sync_guard_routes_each_metrics_sync_between_steps_and_gives_it_back():
     """Each torchmetrics metric of the module (nested ones too) syncs through the fault tolerance's
     between-steps rule; its fallback leaves the metric unsynced (its own value); released, the metric has its
