@@ -395,6 +395,25 @@ def test_post_local_sgd_loses_only_the_lost_replicas_local_steps_and_heals_after
     )
 
 
+def test_post_local_sgd_by_machine_finds_each_memberships_machines_again(tmp_path):
+    """``subgroup=None`` (torch's default: the ranks on each machine) is found again for every membership.
+    On this one machine that is every rank, so gradients stay averaged over all of them and the replicas
+    are equal at every step, before and after the middle process is killed and a replacement is healed."""
+    done, logs = run_fault_job(
+        tmp_path,
+        kill="00001:7:backward",
+        replacements=1,
+        steps=16,
+        pause_s=1.0,
+        hook="post_local_sgd",
+        FAULT_JOB_FULL_WORLD="3",
+        FAULT_JOB_DDP_OPTIONS=json.dumps({"post_local_sgd": {"start_localSGD_iter": 4, "period": 4}}),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_consistent(logs, ["00000", "00002"], steps=16)
+    assert "healed 00003 from 00000" in done.stderr and logs["00003"][-1][3] == 16
+
+
 REFUSALS = """
 import torch
 from torch import nn

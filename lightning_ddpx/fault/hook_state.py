@@ -24,7 +24,7 @@ not hidden behind the inner steps).
 Post-local SGD's (:class:`~lightning_ddpx.hooks.PostLocalSGDState`): its iteration moves in backward during
 the warm-up, so it is snapshotted and put back like PowerSGD's; its averager's step moves at an average,
 which the fault tolerance votes on like DiLoCo's outer step; each generation makes its gradient subgroup
-again (``subgroup=1``: every rank on its own).
+again (``subgroup=1``: every rank on its own; ``None``: the ranks on each machine of the new membership).
 """
 
 from __future__ import annotations

@@ -774,10 +774,11 @@ def _check_averaging_options(comm_hook: str | None, post_local_sgd: Any) -> None
 
 def check_post_local_sgd_options(subgroup: Any, hierarchy: Any, period: Any) -> None:
     """Post-local SGD follows a membership change with ``subgroup=1`` (each rank its own subgroup: the one
-    size that divides every world size), no ``hierarchy`` (its groups' sizes are the old world's) and a
-    ``period`` (the averages the fault tolerance votes on; averaging by hand it cannot see)."""
+    size that divides every world size) or ``subgroup=None`` (the ranks on each machine, found again for
+    each membership), no ``hierarchy`` (its groups' sizes are the old world's) and a ``period`` (the
+    averages the fault tolerance votes on; averaging by hand it cannot see)."""
     for name, value, wanted, allowed in (
-        ("subgroup", subgroup, "subgroup=1", subgroup == 1),
+        ("subgroup", subgroup, "subgroup=1 or None (the ranks on each machine)", subgroup in (1, None)),
         ("hierarchy", hierarchy, "no hierarchy", hierarchy is None),
         ("period", period, "a period", period is not None),
     ):
