@@ -242,3 +242,34 @@ def test_an_agreement_is_the_first_proposal_on_every_member_and_numbered_per_gen
     assert b.agree(first, 2, "0") == "0" and a.agree(first, 2, "1") == "0"  # b's came first
     second = Generation(2, ("a", "b"), ("a", "b"), 2, "step failed")
     assert b.agree(second, 1, "0") == "0" and a.agree(second, 1, "1") == "0"
+
+
+def test_a_member_alive_but_not_voting_aborts_the_step_after_the_wait_chosen(server):
+    """c is alive (nobody's heartbeat stalls within heartbeat_timeout_s=30) but never votes (stuck outside
+    the step): a and b abort the step after ``wait_s`` instead of waiting forever."""
+    a, b = (membership(server, uid, heartbeat_timeout_s=30.0) for uid in ("a", "b"))
+    started = time.monotonic()
+    decisions = in_threads(
+        lambda: vote(a.store, a, GEN1, 1, ok=True, wait_s=1.0),
+        lambda: vote(b.store, b, GEN1, 1, ok=True, wait_s=1.0),
+    )
+    assert decisions == [ABORT, ABORT]
+    assert 1.0 <= time.monotonic() - started < 5.0
+    assert a.lost_reason("c") is None  # not lost: only silent
+
+
+def test_a_member_alive_but_not_coming_back_is_left_behind_after_join_timeout(server):
+    """c is alive but does not come to the next generation: after ``join_timeout_s`` a and b form it without
+    c, saying why; c, coming back later, learns that it was left out."""
+    a, b = (membership(server, uid, heartbeat_timeout_s=30.0, join_timeout_s=1.0) for uid in ("a", "b"))
+    a.mark_healthy()
+    b.mark_healthy()
+    started = time.monotonic()
+    ga, gb = in_threads(
+        lambda: a.next_generation(GEN1, "step 3 failed"), lambda: b.next_generation(GEN1, "step 3 failed")
+    )
+    assert 1.0 <= time.monotonic() - started < 5.0
+    assert ga == gb and ga.members == ("a", "b") and ga.previous == ("a", "b")
+    assert ga.lost == ("c: did not come back within join_timeout_s=1 s",)
+    with pytest.raises(FaultToleranceError, match="process c was left out of generation 2"):
+        membership(server, "c").next_generation(GEN1, "step 3 failed")

@@ -10,7 +10,11 @@ is written, once, by ``compare_set`` (the first writer wins, everyone reads the 
   in the joiner log: the members admit them at the next step boundary);
 - a member waiting for the decision looks, every ``POLL_S``, for a lost member (the launcher's mark, a
   stalled heartbeat) or one already waiting for the next generation (a failure between steps that only it
-  saw), and writes ``abort`` if it finds one: a rank that died after its collectives but before voting.
+  saw), and writes ``abort`` if it finds one: a rank that died after its collectives but before voting;
+- a member that has waited ``wait_s`` (the collective timeout) writes ``abort`` too: a member alive but
+  stuck before its vote (its heartbeat still moving: a hung data loader, a blocked file system) must not
+  hold the others forever, as it would not in a collective. The regroup then leaves it behind if it does
+  not come back within ``join_timeout_s``.
 
 A commit therefore means every member's vote was ``ok``: no rank applies a half-reduced update. It costs a
 member three store round trips per step (``add``, ``wait``, ``get``).
@@ -18,6 +22,7 @@ member three store round trips per step (``add``, ``wait``, ``get``).
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -29,9 +34,17 @@ COMMIT, COMMIT_AND_ADMIT, ABORT = "commit", "commit+admit", "abort"
 POLL_S = 0.25
 
 
-def vote(store: Any, membership: Membership, generation: Generation, attempt: int, ok: bool) -> str:
+def vote(
+    store: Any,
+    membership: Membership,
+    generation: Generation,
+    attempt: int,
+    ok: bool,
+    wait_s: float | None = None,
+) -> str:
     """This member's vote on step ``attempt`` of ``generation`` (attempts are numbered per generation, so a
-    retried step votes afresh); returns the decision every member reads."""
+    retried step votes afresh); returns the decision every member reads. ``wait_s``: after waiting that
+    long for the others, abort (``None``: wait as long as every member is alive)."""
     prefix = f"ft/gen/{generation.number}/step/{attempt}/"
     decision_key = prefix + "decision"
     if ok:
@@ -40,11 +53,13 @@ def vote(store: Any, membership: Membership, generation: Generation, attempt: in
             return store.compare_set(decision_key, "", COMMIT_AND_ADMIT if admit else COMMIT).decode()
     else:
         return store.compare_set(decision_key, "", ABORT).decode()
+    started = time.monotonic()
     while True:
         try:
             store.wait([decision_key], timedelta(seconds=POLL_S))
             return store.get(decision_key).decode()
         except RuntimeError:  # not decided yet: a member may have died before voting
             lost = membership.any_lost(generation.members) or membership.moved_on(generation)
-            if lost is not None:
+            waited_too_long = wait_s is not None and time.monotonic() - started > wait_s
+            if lost is not None or waited_too_long:
                 return store.compare_set(decision_key, "", ABORT).decode()

@@ -343,7 +343,7 @@ class FaultTolerance:
         finally:
             self._stepping = False
         self._attempt += 1
-        decision = vote(self.store, self.membership, self.generation, self._attempt, outcome.error is None)
+        decision = self._vote(outcome.error is None)
         outcome.committed = decision != ABORT
         if outcome.committed:
             self.steps_committed += 1
@@ -371,7 +371,7 @@ class FaultTolerance:
         while True:
             self._at_boundary(admit)
             self._attempt += 1
-            decision = vote(self.store, self.membership, self.generation, self._attempt, ok=True)
+            decision = self._vote(ok=True)
             if decision == ABORT:
                 self._pending = "a member was lost at a boundary"
             elif decision == COMMIT_AND_ADMIT and admit:
@@ -448,7 +448,7 @@ class FaultTolerance:
                 del failure
                 self._release_group()
             self._attempt += 1
-            decision = vote(self.store, self.membership, self.generation, self._attempt, error is None)
+            decision = self._vote(error is None)
             if decision != ABORT:
                 self._recovered()  # a failed average rerun: the survivors are going again
                 self._admission_waiting = self._admission_waiting or decision == COMMIT_AND_ADMIT
@@ -468,6 +468,14 @@ class FaultTolerance:
             )
             self._pending = "an outer step failed"
             self._at_boundary(admit=False)
+
+    def _vote(self, ok: bool) -> str:
+        """This member's vote on attempt ``self._attempt`` (:func:`~lightning_ddpx.fault.commit.vote`); a
+        member that does not vote within ``collective_timeout_s`` aborts the attempt, as a silent peer fails
+        a collective."""
+        return vote(
+            self.store, self.membership, self.generation, self._attempt, ok, self.options.collective_timeout_s
+        )
 
     def _recovered(self) -> None:
         """A voted section committed: if one failed before, record how long the survivors took to go on."""
@@ -502,7 +510,7 @@ class FaultTolerance:
         regroup (without this process if it exits), then let the error propagate."""
         self._attempt += 1
         try:
-            vote(self.store, self.membership, self.generation, self._attempt, ok=False)
+            self._vote(ok=False)
         except Exception:  # noqa: BLE001 - the store is gone: the user's error is the one to report
             pass
         self._pending = f"process {self.uid} raised inside step()"

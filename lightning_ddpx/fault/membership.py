@@ -69,6 +69,11 @@ class Generation:
         return cls(**{key: tuple(value) if isinstance(value, list) else value for key, value in data.items()})
 
 
+def _named(uid: str, lost: list[str]) -> bool:
+    """Whether ``lost`` (``"uid: reason"`` entries) names ``uid``."""
+    return any(entry.split(":", 1)[0] == uid for entry in lost)
+
+
 class _Heartbeat:
     """A daemon thread moving this process's heartbeat counter, on its own store connection (a store client
     is not shared between threads)."""
@@ -291,8 +296,9 @@ class Membership:
         if self.uid not in existing.members:
             raise FaultToleranceError(
                 f"lightning_ddpx fault tolerance: process {self.uid} was left out of generation {number} (the "
-                "others thought it lost: its heartbeat stalled for heartbeat_timeout_s?). It stops; the "
-                "launcher may start a replacement."
+                "others thought it lost: its heartbeat stalled for heartbeat_timeout_s, or it did not come back "
+                "to a step within collective_timeout_s and then join_timeout_s). It stops; the launcher may "
+                "start a replacement."
             )
         if not existing.previous:
             raise FaultToleranceError(
@@ -309,7 +315,10 @@ class Membership:
         return existing
 
     def _survivors(self, current: Generation, number: int) -> tuple[list[str], list[str]]:
-        """Wait until every member of ``current`` is present for ``number`` or lost; returns both lists."""
+        """Wait until every member of ``current`` is present for ``number`` or lost; returns both lists. A
+        member still alive (its heartbeat moving) that has not come back after ``join_timeout_s`` (stuck
+        outside the steps: a hung data loader) is left behind as lost; if it comes back later it learns that
+        it was left out, and stops."""
         started = time.monotonic()
         while True:
             present, lost = [], []
@@ -326,9 +335,11 @@ class Membership:
                 winner = self.record(number)
                 assert winner is not None
                 return list(winner.previous), list(winner.lost)
-            if time.monotonic() - started > self.join_timeout_s:
-                raise FaultToleranceError(
-                    f"lightning_ddpx fault tolerance: members of generation {current.number} neither came "
-                    f"back nor were lost within join_timeout_s={self.join_timeout_s:g} s."
-                )
+            if time.monotonic() - started > self.join_timeout_s:  # alive (a heartbeat) but not coming back
+                missing = [uid for uid in current.members if uid not in present and not _named(uid, lost)]
+                lost += [
+                    f"{uid}: did not come back within join_timeout_s={self.join_timeout_s:g} s"
+                    for uid in missing
+                ]
+                return present, lost
             time.sleep(POLL_S)
