@@ -13,6 +13,7 @@ replaces the last one: with ``FAULT_JOB_CHECKPOINT=path`` and ``FAULT_JOB_CHECKP
 ``stall`` (stopped with SIGSTOP mid-backward, silent rather than dead, and resumed ``FAULT_JOB_STALL_S``
 seconds later); ``raise`` makes it raise a communication failure inside
 the step without dying (the fail-at injection: every member discards the step, nobody is lost);
+``hang`` keeps it alive but stuck after its backward, never voting;
 ``collective`` makes its second all-reduce of that step (a bucket's, mid-backward) fail on it alone (the
 others' collectives all succeed); ``sync``
 (DiLoCo) right before an outer step, which the others then run without it.
@@ -104,7 +105,7 @@ def main() -> None:
             {
                 "heartbeat_timeout_s": float(os.environ.get("FAULT_JOB_HEARTBEAT_S", "5")),
                 "collective_timeout_s": float(os.environ.get("FAULT_JOB_COLLECTIVE_S", "20")),
-                "join_timeout_s": 60.0,
+                "join_timeout_s": float(os.environ.get("FAULT_JOB_JOIN_S", "60")),
             }
         )
     except RunEnded:
@@ -163,6 +164,9 @@ def main() -> None:
                 maybe_die("forward")
                 loss = nn.functional.mse_loss(model(x), y)
                 loss.backward()
+                if me == kill_uid and kill_point == "hang" and ft.steps_committed == int(kill_step):
+                    while True:  # alive (its heartbeat moves) but never votes: stuck outside the collectives
+                        time.sleep(1)
             if outcome.committed:
                 maybe_die("optimizer")
                 optimizer.step()

@@ -144,7 +144,7 @@ def test_a_killed_member_does_not_end_the_run(tmp_path, victim, point):
     assert {row[2] for uid in survivors for row in logs[uid][-3:]} == {2}
 
 
-def test_a_silent_member_is_left_behind_after_the_timeouts_chosen_and_stops_when_it_wakes(tmp_path):
+def test_a_silent_member_is_left_behind_after_the_timeouts_chosen_and_stopped(tmp_path):
     # stopped mid-backward: its connections stay open, so the survivors' collective fails only after
     # collective_timeout_s (3 s), and it is lost once its heartbeat has not moved for heartbeat_timeout_s (2 s)
     done, logs = run_fault_job(
@@ -159,9 +159,25 @@ def test_a_silent_member_is_left_behind_after_the_timeouts_chosen_and_stops_when
     assert_consistent(logs, ["00000", "00002"])
     assert "no peer answered within 3 s" in done.stderr
     assert "lost 00001: no heartbeat for" in done.stderr
-    # resumed after the others regrouped: it learns it was left out and stops (the launcher records its exit)
-    assert "process 00001 was left out of generation 2" in done.stderr
+    # once the others formed a generation without it, its launcher stops it (were it resumed first, it would
+    # learn that it was left out and stop: tests/test_fault_membership.py)
+    assert "was left behind by the others (no heartbeat for" in done.stderr
     assert [row[3] for row in logs["00001"]] == [1, 2, 3, 4]
+
+
+def test_a_member_alive_but_stuck_before_its_vote_is_left_behind_after_the_timeouts_chosen(tmp_path):
+    """00001 finishes its backward at step 4 and then hangs, alive (its heartbeat moves), never voting: the
+    others abort the step after collective_timeout_s (3 s), leave it behind once it has not come back within
+    join_timeout_s (4 s), and finish as a generation of two."""
+    done, logs = run_fault_job(
+        tmp_path, kill="00001:4:hang", FAULT_JOB_COLLECTIVE_S="3", FAULT_JOB_JOIN_S="4"
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_consistent(logs, ["00000", "00002"])
+    assert "lost 00001: did not come back within join_timeout_s=4 s" in done.stderr
+    assert "was left behind by the others (did not come back" in done.stderr  # its launcher stopped it
+    assert [row[3] for row in logs["00001"]] == [1, 2, 3, 4]
+    assert {row[2] for uid in ("00000", "00002") for row in logs[uid][-3:]} == {2}
 
 
 def test_a_replacement_heals_from_a_live_peer_after_rank_0_is_killed(tmp_path):

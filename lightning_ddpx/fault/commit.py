@@ -31,7 +31,8 @@ from lightning_ddpx.fault.membership import Generation, Membership
 __all__ = ["ABORT", "COMMIT", "COMMIT_AND_ADMIT", "vote"]
 
 COMMIT, COMMIT_AND_ADMIT, ABORT = "commit", "commit+admit", "abort"
-POLL_S = 0.25
+POLL_S = 0.25  # how often a waiting member looks for a lost one
+CHECK_S = 0.005  # how often it looks for the decision, once the first wait is over
 
 
 def vote(
@@ -53,13 +54,19 @@ def vote(
             return store.compare_set(decision_key, "", COMMIT_AND_ADMIT if admit else COMMIT).decode()
     else:
         return store.compare_set(decision_key, "", ABORT).decode()
-    started = time.monotonic()
-    while True:
-        try:
-            store.wait([decision_key], timedelta(seconds=POLL_S))
+    started = looked = time.monotonic()
+    try:
+        store.wait([decision_key], timedelta(seconds=POLL_S))  # most votes are decided by then
+        return store.get(decision_key).decode()
+    except RuntimeError:  # not decided yet: a member may have died before voting
+        pass
+    while True:  # polled without the store's blocking wait, which logs a warning at each timeout
+        if store.check([decision_key]):
             return store.get(decision_key).decode()
-        except RuntimeError:  # not decided yet: a member may have died before voting
+        now = time.monotonic()
+        if now - looked >= POLL_S:
+            looked = now
             lost = membership.any_lost(generation.members) or membership.moved_on(generation)
-            waited_too_long = wait_s is not None and time.monotonic() - started > wait_s
-            if lost is not None or waited_too_long:
+            if lost is not None or (wait_s is not None and now - started > wait_s):
                 return store.compare_set(decision_key, "", ABORT).decode()
+        time.sleep(CHECK_S)

@@ -157,6 +157,7 @@ class Supervisor:
         # took a lock (threading.Event.set) could deadlock against the main thread it interrupted.
         self._stop_signal: int | None = None
         self._store_lost = False  # a client that lost node 0's store says so once, then stops writing
+        self._generation_seen = 0  # the generations whose left-behind members were looked for
         self.uids_lost: list[str] = []  # children lost, in the order they were found dead
 
     @property
@@ -267,6 +268,7 @@ class Supervisor:
             if self._stop_signal is not None:
                 self._terminate_running()
                 return 128 + self._stop_signal
+            self._stop_left_behind()
             for uid, process in list(self._running.items()):
                 if _has_exited(process):
                     self._on_exit(uid, process)
@@ -274,6 +276,32 @@ class Supervisor:
         if self._finished:
             return 0
         return self._first_exit_code if self._first_exit_code is not None else 1
+
+    def _stop_left_behind(self) -> None:
+        """Stop a child that the members left out of a newer generation while it is still running: alive but
+        stuck outside the steps (a hung data loader) or stopped, it might never come back to learn it, and
+        would hold its device and this launcher's exit. Its exit is then recorded as a loss (a replacement
+        starts if one is left)."""
+        if self._store_lost:
+            return
+        try:
+            if not self._store.check([KEY_LATEST_GEN]):
+                return
+            latest = int(self._store.get(KEY_LATEST_GEN).decode())
+            while self._generation_seen < latest:
+                self._generation_seen += 1
+                record = Generation.from_json(self._store.get(KEY_GEN_MEMBERS.format(self._generation_seen)))
+                for entry in record.lost:
+                    uid, _, reason = entry.partition(": ")
+                    process = self._running.get(uid)
+                    if process is not None and not _has_exited(process):
+                        self._log(
+                            f"{_LOG_PREFIX}process {uid} (pid {process.pid}) was left behind by the others "
+                            f"({reason}); stopping it"
+                        )
+                        _kill_group(process, signal.SIGKILL)
+        except dist.DistError:  # the store is gone: _record_exit says so at the next exit
+            return
 
     def _start(self, replacement: bool) -> str:
         uid = f"{self._uid_prefix}{self._started:05d}"
