@@ -95,8 +95,8 @@ def test_a_failure_injected_at_one_step_discards_it_on_every_member_and_nobody_i
 
 @pytest.mark.parametrize(
     ("hook", "options"),
-    [("", {}), ("fp16", {}), ("powersgd", POWERSGD), ("batched_powersgd", POWERSGD)],
-    ids=["allreduce", "fp16", "powersgd", "batched_powersgd"],
+    [("", {}), ("batched_powersgd", POWERSGD)],  # the failure raised in the reducer / in a hook's callback
+    ids=["allreduce", "batched_powersgd"],
 )
 def test_a_collective_that_fails_on_one_member_only_discards_the_step_on_every_member(
     tmp_path, hook, options
