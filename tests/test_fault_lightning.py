@@ -336,25 +336,33 @@ def test_the_same_trainer_script_runs_across_machines_under_one_launcher_per_mac
     assert not (out / "main.json").exists()  # no process of the user's returns from fit: the launchers ran it
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_fault_tolerant_checkpoint_resumes_at_another_world_size_with_powersgds_shared_state(tmp_path):
-    """Three processes save (rank 0 of the membership writes; the checkpoint records the world size and
-    PowerSGD's shared state); two resume it with ckpt_path and continue its global step and iteration."""
-    first, main, logs, _ = run_trainer_job(
-        tmp_path / "three", FAULT_JOB_HOOK="powersgd", FAULT_JOB_EPOCHS="2", FAULT_JOB_REPLACEMENTS="0"
+def save_on_three_and_resume_on_two(tmp_path: Path, hook: str):
+    """Two epochs on three processes with ``hook`` (no replacement), then ``fit(ckpt_path=...)`` of the
+    checkpoint after the second epoch's last step on two processes, for three epochs: that checkpoint's
+    fault-tolerance entry, and the resumed run's ``main.json`` and logs."""
+    first, _, _, _ = run_trainer_job(
+        tmp_path / "three", FAULT_JOB_HOOK=hook, FAULT_JOB_EPOCHS="2", FAULT_JOB_REPLACEMENTS="0"
     )
     checkpoint = first / "checkpoints" / "epoch=1-step=16.ckpt"
     entry = torch.load(checkpoint, weights_only=False)["lightning_ddpx_fault_tolerance"]
-    assert (entry["world_size"], entry["hook"]["iteration"]) == (3, 16)
-    second, main, logs, _ = run_trainer_job(
+    _, main, logs, _ = run_trainer_job(
         tmp_path / "two",
-        FAULT_JOB_HOOK="powersgd",
+        FAULT_JOB_HOOK=hook,
         FAULT_JOB_DEVICES="2",
         FAULT_JOB_EPOCHS="3",
         FAULT_JOB_REPLACEMENTS="0",
         FAULT_JOB_RESUME=str(checkpoint),
     )
+    return entry, main, logs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_fault_tolerant_checkpoint_resumes_at_another_world_size_with_powersgds_shared_state(tmp_path):
+    """Three processes save (rank 0 of the membership writes; the checkpoint records the world size and
+    PowerSGD's shared state); two resume it with ckpt_path and continue its global step and iteration."""
+    entry, main, logs = save_on_three_and_resume_on_two(tmp_path, "powersgd")
+    assert (entry["world_size"], entry["hook"]["iteration"]) == (3, 16)
     assert sorted(logs) == ["00000", "00001"]
     first_rows = [lines[0] for lines in logs.values()]
     # world size 2, the global step and PowerSGD's iteration going on from the checkpoint's 16
@@ -375,20 +383,8 @@ def test_a_fault_tolerant_diloco_checkpoint_resumes_at_another_world_size_with_i
     """DiLoCo (an outer step every 3 inner steps) under fault tolerance: three processes save, the checkpoint
     holds DiLoCo's whole shared state (inner steps, anchors, outer momentum); two resume it and go on from
     its inner step, with the anchors equal on both at every step."""
-    first, _, _, _ = run_trainer_job(
-        tmp_path / "three", FAULT_JOB_HOOK="diloco", FAULT_JOB_EPOCHS="2", FAULT_JOB_REPLACEMENTS="0"
-    )
-    checkpoint = first / "checkpoints" / "epoch=1-step=16.ckpt"
-    entry = torch.load(checkpoint, weights_only=False)["lightning_ddpx_fault_tolerance"]
+    entry, main, logs = save_on_three_and_resume_on_two(tmp_path, "diloco")
     assert entry["world_size"] == 3 and entry["hook"]["step"] == 16 and entry["hook"]["syncs"] == 5
-    _, main, logs, _ = run_trainer_job(
-        tmp_path / "two",
-        FAULT_JOB_HOOK="diloco",
-        FAULT_JOB_DEVICES="2",
-        FAULT_JOB_EPOCHS="3",
-        FAULT_JOB_REPLACEMENTS="0",
-        FAULT_JOB_RESUME=str(checkpoint),
-    )
     assert sorted(logs) == ["00000", "00001"]
     first_rows = [lines[0] for lines in logs.values()]
     assert {(row[3], row[4], row[8].split(":")[0]) for row in first_rows} == {("2", "17", "17")}
