@@ -69,11 +69,6 @@ class Generation:
         return cls(**{key: tuple(value) if isinstance(value, list) else value for key, value in data.items()})
 
 
-def _named(uid: str, lost: list[str]) -> bool:
-    """Whether ``lost`` (``"uid: reason"`` entries) names ``uid``."""
-    return any(entry.split(":", 1)[0] == uid for entry in lost)
-
-
 class _Heartbeat:
     """A daemon thread moving this process's heartbeat counter, on its own store connection (a store client
     is not shared between threads)."""
@@ -321,7 +316,7 @@ class Membership:
         it was left out, and stops."""
         started = time.monotonic()
         while True:
-            present, lost = [], []
+            present, lost, missing = [], [], []
             for uid in current.members:
                 if uid == self.uid or self.store.check([f"ft/gen/{number}/present/{uid}"]):
                     present.append(uid)
@@ -329,14 +324,15 @@ class Membership:
                 reason = self.lost_reason(uid)
                 if reason is not None:
                     lost.append(f"{uid}: {reason}")
-            if len(present) + len(lost) == len(current.members):
+                else:
+                    missing.append(uid)
+            if not missing:
                 return present, lost
             if self.record(number) is not None:  # another member proposed meanwhile: adopt its record
                 winner = self.record(number)
                 assert winner is not None
                 return list(winner.previous), list(winner.lost)
             if time.monotonic() - started > self.join_timeout_s:  # alive (a heartbeat) but not coming back
-                missing = [uid for uid in current.members if uid not in present and not _named(uid, lost)]
                 lost += [
                     f"{uid}: did not come back within join_timeout_s={self.join_timeout_s:g} s"
                     for uid in missing

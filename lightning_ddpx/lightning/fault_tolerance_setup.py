@@ -228,8 +228,9 @@ class TrainerFaultTolerance:
         batches = self.trainer.fit_loop.max_batches
         if not isinstance(batches, int):
             return
-        counts = self.between_steps(lambda: _gather_ints(batches), lambda: None)
-        if counts is not None and len(set(counts)) > 1:
+        # the strategy's all_gather: after a loss it gives this process's own count alone (not refused)
+        counts = [int(c) for c in self.trainer.strategy.all_gather(torch.tensor([batches])).reshape(-1)]
+        if len(set(counts)) > 1:
             by_rank = dict(enumerate(counts))
             raise ValueError(
                 f"DDPXStrategy: fault_tolerance needs every rank to get the same number of training batches per "
@@ -321,14 +322,6 @@ class TrainerFaultTolerance:
         self.metrics.release()
         if self.fault is not None:
             self.fault.close()
-
-
-def _gather_ints(value: int) -> list[int]:
-    """Every member's ``value``, by rank (a collective of the default group)."""
-    mine = torch.tensor([value], dtype=torch.int64)
-    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, mine)
-    return [int(part.item()) for part in parts]
 
 
 def follow_rank(rank: int) -> None:
