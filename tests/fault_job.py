@@ -15,7 +15,8 @@ seconds later); ``raise`` makes it raise a communication failure inside
 the step without dying (the fail-at injection: every member discards the step, nobody is lost);
 ``hang`` keeps it alive but stuck after its backward, never voting;
 ``collective`` makes its second all-reduce of that step (a bucket's, mid-backward) fail on it alone (the
-others' collectives all succeed); ``sync``
+others' collectives all succeed); ``unissued`` makes it raise there instead of issuing that all-reduce (a
+local error inside a hook, between two of its collectives); ``sync``
 (DiLoCo) right before an outer step, which the others then run without it.
 """
 
@@ -71,21 +72,28 @@ def batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Te
     return x[share], y[share]
 
 
-def fail_at_a_collective(ft: FaultTolerance, step: int, me: str, injected: list) -> None:
+def fail_at_a_collective(ft: FaultTolerance, step: int, me: str, injected: list, issued: bool = True) -> None:
     """Make this process's second all-reduce of committed step ``step`` (a bucket's, mid-backward) fail here
-    only, once: it is issued, so the others' collective completes, and then raises a communication failure
-    on this process. The others' collectives all succeed; this member's do not."""
+    only, once. ``issued``: it is issued, so the others' collective completes, and then raises a
+    communication failure on this process (the others' collectives all succeed; this member's do not).
+    Otherwise it raises instead of issuing it, as a local error between two collectives of a hook would."""
     real_allreduce = dist.ProcessGroup.allreduce
     calls = []
 
     def failing_allreduce(group, *args, **kwargs):
-        work = real_allreduce(group, *args, **kwargs)
         if ft.steps_committed == step and not injected:
             calls.append(1)
             if len(calls) == 2:
                 injected.append(True)
-                raise CommunicationError(f"injected failure at an all-reduce of process {me} at step {step}")
-        return work
+                if issued:
+                    real_allreduce(group, *args, **kwargs)
+                    raise CommunicationError(
+                        f"injected failure at an all-reduce of process {me} at step {step}"
+                    )
+                raise RuntimeError(
+                    f"injected local error before an all-reduce of process {me} at step {step}"
+                )
+        return real_allreduce(group, *args, **kwargs)
 
     dist.ProcessGroup.allreduce = failing_allreduce
 
@@ -153,8 +161,8 @@ def main() -> None:
         os.replace = replace
     if kill_point in ("backward", "stall"):
         net[0].weight.register_hook(lambda g: (maybe_die(kill_point), g)[1])
-    if kill_point == "collective" and me == kill_uid:
-        fail_at_a_collective(ft, int(kill_step), me, injected)
+    if kill_point in ("collective", "unissued") and me == kill_uid:
+        fail_at_a_collective(ft, int(kill_step), me, injected, issued=kill_point == "collective")
     with open(os.path.join(out_dir, f"{me}.log"), "a") as log:
         while ft.steps_committed < steps:
             maybe_die("boundary")

@@ -95,15 +95,15 @@ def test_a_failure_injected_at_one_step_discards_it_on_every_member_and_nobody_i
 
 @pytest.mark.parametrize(
     ("hook", "options"),
-    [("", {}), ("batched_powersgd", POWERSGD)],  # the failure raised in the reducer / in a hook's callback
+    [("", {}), ("batched_powersgd", POWERSGD)],  # the failure raised in the reducer / inside a hook
     ids=["allreduce", "batched_powersgd"],
 )
 def test_a_collective_that_fails_on_one_member_only_discards_the_step_on_every_member(
     tmp_path, hook, options
 ):
     """Process 00001's second all-reduce of step 4 (a bucket's, mid-backward; PowerSGD compressing since
-    step 2) fails on it alone: the others' collectives all succeed, and they would apply the step. The vote
-    makes every member discard it; the same three members retry it in a new group, and every parameter (and
+    step 2) fails on it alone after it was issued. Without a hook it is the step's last: the others'
+    collectives all succeed, and they would apply the step. The vote makes every member discard it; the same three members retry it in a new group, and every parameter (and
     PowerSGD's shared state) is equal on every process after every step."""
     done, logs = run_fault_job(
         tmp_path,
@@ -113,16 +113,36 @@ def test_a_collective_that_fails_on_one_member_only_discards_the_step_on_every_m
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "injected failure at an all-reduce of process 00001 at step 4" in done.stderr
-    # the others discard it too: their own collectives succeeded (the vote said abort), or failed once the
-    # failing member stopped issuing its own
+    # the others discard it too
     assert done.stderr.count("step 4 discarded on every member of generation 1 (injected failure") == 1
     assert done.stderr.count("step 4 discarded on every member of generation 1") == 3
-    if hook == "batched_powersgd":  # its second phase fails in a callback: the others' reductions all succeed
+    if hook == "":  # the step's last all-reduce: the others' reductions all succeed, the vote says abort
         assert done.stderr.count("generation 1 (another member's collectives failed") == 2
+    else:  # bucket 0's second phase: the failing member issues nothing after it, so the others' bucket 1 fails
+        assert done.stderr.count("another rank exited or crashed (check its log for the first error) while "
+                                 "waiting for bucket 1") == 2  # fmt: skip
     assert_consistent(logs, ["00000", "00001", "00002"])
     assert {row[2] for row in logs["00000"]} == {3} and "healed" not in done.stderr  # nobody lost
     if options:
         assert_same_hook_state(tmp_path / "logs", STEPS)
+
+
+def test_a_local_error_between_two_collectives_of_a_hook_costs_only_its_own_process(tmp_path):
+    """Process 00001 raises inside batched PowerSGD's hook instead of issuing the second all-reduce of step 4
+    (an error of its own, not a communication failure: it propagates, and the process ends). It must issue
+    no later bucket's collective either: the others are still in the one it skipped, and would pair it with
+    the wrong one (gloo aborted a peer with SIGABRT before). The two others discard step 4 and go on."""
+    done, logs = run_fault_job(
+        tmp_path, kill="00001:4:unissued", hook="batched_powersgd", FAULT_JOB_DDP_OPTIONS=json.dumps(POWERSGD)
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "injected local error before an all-reduce of process 00001 at step 4" in done.stderr
+    assert "process 00001" in done.stderr and "lost: exit code 1" in done.stderr
+    assert "SIGABRT" not in done.stderr and done.stderr.count(" lost: ") == 1
+    assert done.stderr.count("step 4 discarded on every member of generation 1") == 2
+    assert_consistent(logs, ["00000", "00002"])
+    assert [row[3] for row in logs["00001"]] == [1, 2, 3, 4][: len(logs["00001"])]
+    assert {row[2] for row in logs["00000"][4:]} == {2}
 
 
 @pytest.mark.parametrize(

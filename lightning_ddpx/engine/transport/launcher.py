@@ -8,7 +8,16 @@ Two ways, chosen per hook (see :mod:`lightning_ddpx.engine.buckets.grad_bucket` 
 
 On CUDA a task is submitted with the stream it must run on (the stream that filled the bucket): an inline
 task runs at once on the submitting thread, where that stream is current already; a sequenced one runs with
-it made current on the communication thread. The sequenced launcher hands each result over in a future that
+it made current on the communication thread.
+
+A sequenced hook that fails on one rank must not let that rank's later buckets issue their collectives: its
+peers are still in the failed hook's next collective, and would pair it with another bucket's (the wrong
+numbers when the sizes agree, a gloo abort when they do not). So the tasks of one reduction form a sequence
+(:meth:`SequencedLauncher.begin_sequence`, at each backward's start); after a task fails, the rest of its
+sequence fail without running, and this rank's peers see it stop instead. An inline hook needs no such
+rule: its error leaves backward at once, before any later bucket is launched.
+
+The sequenced launcher hands each result over in a future that
 carries a CUDA event recorded after the result was produced (:mod:`lightning_ddpx.engine.transport.cuda_streams`),
 so whoever waits for it on whatever stream is ordered after the hook's collectives; an inline hook's own
 future already does this.
@@ -72,6 +81,9 @@ class InlineLauncher:
         """``task(*args)``, now; ``stream`` must be the calling thread's current stream (it is not entered)."""
         return as_future(task(*args))
 
+    def begin_sequence(self) -> None:
+        """A reduction starts (nothing to do: a failed inline hook raises before the next is launched)."""
+
     def close(self) -> None:
         pass
 
@@ -80,7 +92,8 @@ class SequencedLauncher:
     """Run tasks one at a time, in submission order, on a private daemon thread.
 
     ``submit`` returns at once with a future that completes when the task's own future does; the next
-    task starts only then. An exception in a task fails that task's future and nothing else. ``device``:
+    task starts only then. An exception in a task fails that task's future, and the futures of the tasks
+    submitted after it in the same sequence (see the module's docstring) without running them. ``device``:
     where the tasks' results live; on CUDA the returned futures carry CUDA events (see the module's
     docstring), so ``wait()`` orders the waiter's current stream after the result.
     """
@@ -91,6 +104,11 @@ class SequencedLauncher:
         self._device = device if device is not None else torch.device("cpu")
         self._thread: threading.Thread | None = None
         self._finalizer = weakref.finalize(self, self._queue.put, None)
+        self._sequence = 0
+
+    def begin_sequence(self) -> None:
+        """The tasks submitted from now on form a new sequence: a failure before it no longer stops them."""
+        self._sequence += 1
 
     def submit(
         self, task: Task, *args: Any, stream: Optional["torch.cuda.Stream"] = None
@@ -103,7 +121,7 @@ class SequencedLauncher:
             self._thread.start()
             stop_at_exit(self, self._name, EXIT_JOIN_TIMEOUT_S)
         done = result_future(self._device)
-        self._queue.put((task, args, stream, done))
+        self._queue.put((task, args, stream, done, self._sequence))
         return done
 
     def close(self, timeout: float | None = CLOSE_WAIT_S) -> bool:
@@ -120,18 +138,23 @@ class SequencedLauncher:
         return not thread.is_alive()
 
 
-_Item = tuple[Task, tuple, Optional["torch.cuda.Stream"], torch.futures.Future]  # task, args, stream, result
+# task, args, stream, result, sequence
+_Item = tuple[Task, tuple, Optional["torch.cuda.Stream"], torch.futures.Future, int]
 
 
 def _serve(tasks: "queue.SimpleQueue[_Item | None]", device: torch.device) -> None:
     # CUDA: wait for each task's future on this thread's own stream, then complete ``done`` there, which
     # records an event after the result; the consumer's ``done.wait()`` waits for that event on its stream.
     stream = comm_thread_stream(device)  # None off CUDA
+    failed: tuple[int, BaseException] | None = None  # the sequence a task failed in, and its error
     while True:
         item = tasks.get()
         if item is None:
             return
-        task, args, task_stream, done = item
+        task, args, task_stream, done, sequence = item
+        if failed is not None and failed[0] == sequence:
+            done.set_exception(_not_run_after(failed[1]))
+            continue
         try:
             with stream_scope(stream):
                 with stream_scope(task_stream):
@@ -140,3 +163,13 @@ def _serve(tasks: "queue.SimpleQueue[_Item | None]", device: torch.device) -> No
                 done.set_result(value)
         except BaseException as error:  # noqa: BLE001 - the waiting side re-raises it
             done.set_exception(error)
+            failed = (sequence, error)
+
+
+def _not_run_after(error: BaseException) -> RuntimeError:
+    """The error of a task not run because an earlier one of its sequence failed with ``error``."""
+    return RuntimeError(
+        "not run: an earlier hook call of this reduction failed on this rank "
+        f"({type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}), "
+        "so this rank issues no further collective its peers could pair with the wrong one"
+    )

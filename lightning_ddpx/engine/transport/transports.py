@@ -126,7 +126,9 @@ class Transport:
         """A registered hook divides by what it likes: nothing to change."""
 
     def begin_reduction(self) -> None:
-        """A synchronised backward (or a joined rank's shadow of one) starts."""
+        """A synchronised backward (or a joined rank's shadow of one) starts: its hook calls form one
+        sequence (a failed one stops the rest: :mod:`lightning_ddpx.engine.transport.launcher`)."""
+        self.launcher.begin_sequence()
 
     def set_layout(self, buckets: Sequence[Bucket]) -> None:
         """A new bucket plan was installed (every rank the same one, between iterations)."""
@@ -213,6 +215,7 @@ class SharedMemorySum(MeanAllReduce):
         return self.exchange.holds([p.numel() * p.element_size() for p in params])
 
     def begin_reduction(self) -> None:
+        super().begin_reduction()
         self.exchange.next_generation()  # every reduction, so that it stays in step with the other rank
 
     def set_layout(self, buckets: Sequence[Bucket]) -> None:
