@@ -436,6 +436,10 @@ def measure_overhead(args: argparse.Namespace, work: str) -> dict[str, Any]:
         "goal": GOAL_STEP_RATIO,
         "result": "PASS" if median(ratios) <= GOAL_STEP_RATIO else "MISS",
     }
+    # What ft.step() adds, timed inside every step: entering it (the boundary) and the vote of the median
+    # member (who also waits for the last to arrive), over the step without it.
+    summary["own_code_share"] = (summary["boundary_s"] + summary["vote_s"]) / summary["plain_step_s"]
+    summary["own_code_result"] = "PASS" if 1 + summary["own_code_share"] <= GOAL_STEP_RATIO else "MISS"
     if interleaved:
         summary["interleaved_result"] = "PASS" if median(interleaved) <= GOAL_STEP_RATIO else "MISS"
     return {"runs": runs, "summary": summary}
@@ -567,13 +571,17 @@ def report_overhead(overhead: dict, args: argparse.Namespace) -> None:
         ]  # fmt: skip
     print(format_table(["", "step", "ratio ft / without"], rows))
     print("   whole runs: median of the pairs' ratios (range); same processes: median of the rounds' ratios")
-    print(f"   leaving ft.step(), the vote: {ms(o['last_voter_s'])} for the member completing it (3 store round "
-          f"trips), {ms(o['vote_s'])} median over members, who also wait for the last ({100 * o['vote_s'] / o['plain_step_s']:.1f} "
-          f"% of a step); entering it: {1e6 * o['boundary_s']:.0f} us; one store round trip: "
+    print(f"   leaving ft.step(), the vote: {ms(o['last_voter_s'])} for the member completing it (2 store round "
+          f"trips), {ms(o['vote_s'])} median over members, who also wait for the last and read the decision; "
+          f"entering it: {1e6 * o['boundary_s']:.0f} us; one store round trip: "
           f"{1e6 * o['store_round_trip_s']:.0f} us")  # fmt: skip
-    verdicts = [f"whole runs {o['ratio']['median']:.3f} {o['result']}"]
+    verdicts = [
+        f"ft.step()'s own code, timed in each step, {100 * o['own_code_share']:.2f} % of a step "
+        f"{o['own_code_result']}",
+        f"whole runs {o['ratio']['median']:.3f} {o['result']}",
+    ]
     if o["interleaved_ratio"] is not None:
-        verdicts.insert(0, f"same processes {o['interleaved_ratio']['median']:.3f} {o['interleaved_result']}")
+        verdicts.insert(1, f"same processes {o['interleaved_ratio']['median']:.3f} {o['interleaved_result']}")
     print(f"   goal ratio <= {GOAL_STEP_RATIO}: {'; '.join(verdicts)}")
 
 

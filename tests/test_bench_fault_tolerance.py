@@ -44,5 +44,8 @@ def test_the_quick_run_measures_every_figure(tmp_path) -> None:
     assert overhead["interleaved_ratio"]["values"]  # one ratio per round
     assert 0 < overhead["last_voter_s"] <= overhead["vote_s"] + 1e-9
     assert overhead["store_round_trip_s"] > 0
+    own = (overhead["boundary_s"] + overhead["vote_s"]) / overhead["plain_step_s"]
+    assert overhead["own_code_share"] == pytest.approx(own)
+    assert overhead["own_code_result"] in ("PASS", "MISS")
     for line in ("kill -> survivors' next completed step", "healed 00003 from", "goal ratio <= 1.01"):
         assert line in done.stdout

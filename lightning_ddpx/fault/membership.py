@@ -29,6 +29,8 @@ from typing import Any, Callable, Sequence
 
 __all__ = ["FaultToleranceError", "Generation", "Membership", "RunEnded"]
 
+JOINER_LOOK_S = 0.2  # how often the heartbeat thread reads the joiner log's length
+
 POLL_S = 0.02  # how often a waiting process looks at the store again
 
 
@@ -70,11 +72,14 @@ class Generation:
 
 
 class _Heartbeat:
-    """A daemon thread moving this process's heartbeat counter, on its own store connection (a store client
-    is not shared between threads)."""
+    """A daemon thread on its own store connection (a store client is not shared between threads): moves
+    this process's heartbeat counter every ``interval_s``, and reads the joiner log's length every
+    ``JOINER_LOOK_S``, so that the member completing a step's vote decides on admission without a store
+    round trip of its own (:meth:`Membership.joiners_seen`)."""
 
     def __init__(self, connect: Callable[[], Any], uid: str, interval_s: float) -> None:
         self._stop = threading.Event()
+        self.joiners: int | None = None  # the joiner log's length when last read; None before the first read
         self._thread = threading.Thread(
             target=self._run, args=(connect, uid, interval_s), name="lightning_ddpx-ft-heartbeat", daemon=True
         )
@@ -83,9 +88,13 @@ class _Heartbeat:
     def _run(self, connect: Callable[[], Any], uid: str, interval_s: float) -> None:
         try:
             store = connect()
+            beat_due = time.monotonic()
             while not self._stop.is_set():
-                store.add(f"ft/heartbeat/{uid}", 1)
-                self._stop.wait(interval_s)
+                if time.monotonic() >= beat_due:
+                    store.add(f"ft/heartbeat/{uid}", 1)
+                    beat_due = time.monotonic() + interval_s
+                self.joiners = int(store.add("ft/joiner_count", 0))
+                self._stop.wait(min(JOINER_LOOK_S, max(0.0, beat_due - time.monotonic())))
         except Exception:  # noqa: BLE001 - the store is gone: the run is over, the main thread will say so
             return
 
@@ -167,6 +176,13 @@ class Membership:
 
     def joiner_count(self) -> int:
         return int(self.store.add("ft/joiner_count", 0))
+
+    def joiners_seen(self) -> int:
+        """The joiner log's length as the heartbeat thread last read it (at most ``JOINER_LOOK_S`` ago; read
+        now when there is no such thread). Possibly short of the latest: a joiner registered since is
+        admitted a step later. The vote uses it off the store's critical path."""
+        seen = self._heartbeat.joiners if self._heartbeat is not None else None
+        return seen if seen is not None else self.joiner_count()
 
     def agree(self, generation: Generation, index: int, value: str) -> str:
         """The value every member of ``generation`` reads for its ``index``-th agreement, whatever each
