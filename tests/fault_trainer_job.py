@@ -12,7 +12,9 @@ Environment: ``FAULT_JOB_KILL=uid:global_step:point`` makes training process ``u
 global step, at ``forward`` (in ``training_step``), ``backward`` (from a gradient hook, buckets in flight),
 ``optimizer`` (after the members committed the step, before it is applied), ``save`` (inside a checkpoint
 save of ``ModelCheckpoint(every_n_train_steps=2)``) or ``validation`` (in ``validation_step``, whose
-torchmetrics metric the survivors then compute). Each validation appends ``global_step val_mse`` to
+torchmetrics metric the survivors then compute); ``between`` does not kill: checkpoint saving's all-reduce
+after that step (its file-exists decision) fails on that process alone (issued, then a communication failure raised), while the
+others' succeeds. Each validation appends ``global_step val_mse`` to
 ``OUT_DIR/<uid>.val``. ``FAULT_JOB_DEVICES`` (3), ``FAULT_JOB_EPOCHS`` (3),
 ``FAULT_JOB_RESUME`` (a checkpoint for ``fit(ckpt_path=...)``), ``FAULT_JOB_REPLACEMENTS`` (1), ``FAULT_JOB_HOOK`` (``powersgd``: compressing from step 2; ``diloco``,
 ``diloco-streaming``, ``post_local_sgd``: the hook column is then ``count:digest`` of the hook's shared state,
@@ -39,6 +41,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from lightning_ddpx import DDPXStrategy
+from lightning_ddpx.engine.agreement.errors import CommunicationError
 from tests.fault_job import hook_digest
 
 SAMPLES, BATCH = 96, 4
@@ -77,6 +80,20 @@ class Job(L.LightningModule):
         self.val_mse = torchmetrics.MeanSquaredError()  # synced by torchmetrics itself at the epoch's end
         if self.kill_point == "backward":
             self.net[0].weight.register_hook(self._die_in_backward)
+        if self.kill_point == "between" and self.uid == self.kill_uid:
+            self._fail_a_collective_between_steps()
+
+    def _fail_a_collective_between_steps(self) -> None:
+        real = torch.distributed.all_reduce
+
+        def all_reduce(*args, **kwargs):
+            result = real(*args, **kwargs)
+            if self._victim_at("between") and not self.trainer.strategy._fault.fault._stepping:
+                self.kill_step = -1  # once
+                raise CommunicationError(f"injected failure between steps in process {self.uid}")
+            return result
+
+        torch.distributed.all_reduce = all_reduce
 
     def _victim_at(self, point: str) -> bool:
         return (

@@ -52,7 +52,7 @@ def run_trainer_job(tmp_path: Path, **env: str):
     return out, json.loads((out / "main.json").read_text()), logs, done.stderr
 
 
-def assert_one_training(logs: dict, main: dict) -> None:
+def assert_one_training(logs: dict, main: dict, epochs: int = EPOCHS) -> None:
     digests: dict[int, set[tuple[str, str]]] = defaultdict(set)
     for uid, lines in logs.items():
         assert len({line[1] for line in lines}) == 1, (
@@ -62,7 +62,7 @@ def assert_one_training(logs: dict, main: dict) -> None:
             digests[int(step)].add((digest, hook))  # parameters and PowerSGD's shared state
     split = {step: found for step, found in digests.items() if len(found) > 1}
     assert not split, f"members applied different updates at global steps {split}"
-    assert main["global_step"] == EPOCHS * STEPS_PER_EPOCH
+    assert main["global_step"] == epochs * STEPS_PER_EPOCH
     assert main["digest"] == digests[max(digests)].pop()[0], (
         "fit() returned other weights than the training ended with"
     )
@@ -180,6 +180,29 @@ def test_a_process_lost_during_validation_leaves_each_survivor_its_own_metric_fo
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
+@pytest.mark.timeout(260)
+def test_a_collective_between_steps_failing_on_one_member_costs_every_member_the_same_batch(tmp_path):
+    """After global step 4 (mid-epoch), checkpoint saving's all-reduce fails on process 00001 alone; the others'
+    succeeds, so only it knows its group failed. Every member must still skip the same batch: the next one,
+    whose step the others cannot complete without it (it regroups) and it must not run either, else it
+    would train each later batch paired with the others' next one, a global step behind them."""
+    out, main, logs, stderr = run_trainer_job(
+        tmp_path, FAULT_JOB_KILL="00001:4:between", FAULT_JOB_REPLACEMENTS="0", FAULT_JOB_EPOCHS="2"
+    )
+    assert "injected failure between steps in process 00001" in stderr
+    assert set(logs) == {"00000", "00001", "00002"}
+    rows = {
+        uid: [(int(line[4]), int(line[5]), int(line[6])) for line in lines] for uid, lines in logs.items()
+    }
+    assert rows["00000"] == rows["00001"] == rows["00002"], "the members trained different batches"
+    assert stderr.count("the update of epoch 0, batch 4 (global step 4) was discarded on every member") == 3
+    assert stderr.count("was discarded on every member") == 3  # that one batch only
+    assert "no peer answered" not in stderr  # nobody waited out a collective
+    digest = {int(line[4]): line[7] for line in logs["00000"]}
+    assert digest[5] == digest[4] != digest[6]  # batch 4's update applied nowhere, batch 5's everywhere
+    assert_one_training(logs, main, epochs=2)
+
+
 def test_ranks_with_different_numbers_of_batches_are_refused_at_the_epochs_start_naming_each_count(tmp_path):
     """Without a DistributedSampler rank 2 gets a batch fewer: its steps and the others' would no longer
     pair up (a gradient all-reduce meeting an end-of-epoch collective). Every process refuses it at the

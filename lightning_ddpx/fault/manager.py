@@ -169,6 +169,8 @@ class FaultTolerance:
         self._attempt = 0  # step attempts in this generation (the vote's key)
         self._agreements = 0  # agree() calls in this generation (the agreements' keys)
         self._pending: str | None = None  # why the membership must change at the next boundary
+        # a collective between steps failed here, which the others may not know: see skip_step_after_failure
+        self._failed_between_steps = False
         self._admission_waiting = False  # a committed step saw joiners waiting: admit them when allowed
         self._skip_transfer = False  # the next heal only verifies (this process's state is already there)
         self._stepping = False  # inside step(): collectives' failures are the step's
@@ -377,7 +379,34 @@ class FaultTolerance:
             elif decision == COMMIT_AND_ADMIT and admit:
                 self._admission_waiting = True
             else:
+                self._failed_between_steps = False  # every member is here, in one generation: no step lost
                 return
+
+    def skip_step_after_failure(self) -> bool:
+        """For a loop that keys each step's data on its own batch counter (the Lightning Trainer's), called
+        before each step: whether this member must skip the batch it is about to train, as the others will.
+
+        A collective between steps failed on this member -- perhaps on this member alone: a peer lost during
+        an all-reduce can leave another survivor with the whole result. The others then start the next step
+        on their old group, cannot complete it without this member, and discard it. This member votes
+        ``abort`` for that same step and skips the same batch; every member then regroups at the start of
+        the next step, together (a collective of the loop's own between the two, Lightning's per-batch
+        broadcast, finds every member's group released alike). Running the batch instead, in a new group,
+        would pair it with the others' next one: a global step behind them from then on, and stuck in a
+        collective at the epoch's end. A loop keyed on :attr:`steps_committed` needs none of this
+        (:meth:`step` retries the same step on every member)."""
+        if not self._failed_between_steps:
+            return False
+        self._failed_between_steps = False
+        self._attempt += 1
+        self._vote(ok=False)  # the step the others start now: abort, whatever they vote
+        self.stats.failures += 1
+        self._failed_at = self._failed_at or time.monotonic()
+        self._note(
+            f"step {self.steps_committed} skipped on every member of generation {self.generation.number} "
+            f"({self._pending}); the membership changes at the next step"
+        )
+        return True
 
     @property
     def in_sync(self) -> bool:
@@ -402,6 +431,7 @@ class FaultTolerance:
             if not _is_communication_failure(error):
                 raise
             self._pending = f"a collective between steps failed ({_first_line(error)})"
+            self._failed_between_steps = True
             _forget_frames(error)
             del error
             self._note(f"{self._pending}; the membership changes at the next boundary")

@@ -269,26 +269,30 @@ class TrainerFaultTolerance:
         post-local SGD's average) averages when due, voted on and retried over the survivors; replacements
         still wait for the next epoch's start."""
         assert self.fault is not None
+        if self.fault.skip_step_after_failure():  # the others cannot complete this step: all skip it
+            return self._discarded(closure, batch_idx, "a collective between steps failed on this member")
         with self.fault.step(admit=False) as outcome:
             loss = closure()
         if not outcome.committed:
-            lightning_compat.discard_closure_result(closure)
-            log.warning(
-                "lightning_ddpx fault tolerance: the update of epoch %d, batch %d (global step %d) was "
-                "discarded on every member (%s); that batch's share of the data is skipped.",
-                self.trainer.current_epoch,
-                batch_idx,
-                self.trainer.global_step,
-                outcome.error or "a member was lost",
-            )
-            self.log_membership(force=True)
-            return None
+            return self._discarded(closure, batch_idx, outcome.error or "a member was lost")
         result = step(lambda: loss)
         if self.fault.model is not None and self.fault.model.parameter_averaging is not None:
             optimizers = [lightning_compat.unwrapped_optimizer(o) for o in optimizers]
             self.fault.average_after_step(optimizers, admit=False)
         self.log_membership(force=False)
         return result
+
+    def _discarded(self, closure: Callable[[], Any], batch_idx: int, why: str) -> None:
+        lightning_compat.discard_closure_result(closure)
+        log.warning(
+            "lightning_ddpx fault tolerance: the update of epoch %d, batch %d (global step %d) was "
+            "discarded on every member (%s); that batch's share of the data is skipped.",
+            self.trainer.current_epoch,
+            batch_idx,
+            self.trainer.global_step,
+            why,
+        )
+        self.log_membership(force=True)
 
     def log_membership(self, force: bool) -> None:
         """The membership figures (``fault_tolerance/world_size``, ``failures``, ``last_recovery_s``, ...) to
