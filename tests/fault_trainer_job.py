@@ -20,7 +20,8 @@ others' succeeds. Each validation appends ``global_step val_mse`` to
 ``diloco-streaming``, ``post_local_sgd``: the hook column is then ``count:digest`` of the hook's shared state,
 see ``averaging_digest``), ``FAULT_JOB_PAUSE_S`` (per step while fewer than
 ``FAULT_JOB_DEVICES`` members train: time for a replacement to start before the next epoch),
-``FAULT_JOB_UNEVEN`` (no DistributedSampler: each rank its own slice of the data, rank 2's a batch shorter).
+``FAULT_JOB_UNEVEN`` (no DistributedSampler: each rank its own slice of the data, rank 2's a batch shorter),
+``FAULT_JOB_ACCUMULATE`` (``accumulate_grad_batches``, 1).
 """
 
 from __future__ import annotations
@@ -209,6 +210,7 @@ def main() -> None:
         devices=int(os.environ.get("FAULT_JOB_DEVICES", "3")),
         strategy=DDPXStrategy(fault_tolerance=options, comm_hook=hook, powersgd=powersgd, **averaging),
         max_epochs=int(os.environ.get("FAULT_JOB_EPOCHS", "3")),
+        accumulate_grad_batches=int(os.environ.get("FAULT_JOB_ACCUMULATE", "1")),
         logger=CSVLogger(out, name="logs"),
         callbacks=[ModelCheckpoint(dirpath=os.path.join(out, "checkpoints"), every_n_train_steps=2)],
         enable_progress_bar=False,

@@ -52,7 +52,9 @@ def run_trainer_job(tmp_path: Path, **env: str):
     return out, json.loads((out / "main.json").read_text()), logs, done.stderr
 
 
-def assert_one_training(logs: dict, main: dict, epochs: int = EPOCHS) -> None:
+def assert_one_training(
+    logs: dict, main: dict, epochs: int = EPOCHS, steps_per_epoch: int = STEPS_PER_EPOCH
+) -> None:
     digests: dict[int, set[tuple[str, str]]] = defaultdict(set)
     for uid, lines in logs.items():
         assert len({line[1] for line in lines}) == 1, (
@@ -62,7 +64,7 @@ def assert_one_training(logs: dict, main: dict, epochs: int = EPOCHS) -> None:
             digests[int(step)].add((digest, hook))  # parameters and PowerSGD's shared state
     split = {step: found for step, found in digests.items() if len(found) > 1}
     assert not split, f"members applied different updates at global steps {split}"
-    assert main["global_step"] == epochs * STEPS_PER_EPOCH
+    assert main["global_step"] == epochs * steps_per_epoch
     assert main["digest"] == digests[max(digests)].pop()[0], (
         "fit() returned other weights than the training ended with"
     )
@@ -179,30 +181,61 @@ def test_a_process_lost_during_validation_leaves_each_survivor_its_own_metric_fo
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(200)
 @pytest.mark.timeout(260)
-def test_a_collective_between_steps_failing_on_one_member_costs_every_member_the_same_batch(tmp_path):
-    """After global step 4 (mid-epoch), checkpoint saving's all-reduce fails on process 00001 alone; the others'
-    succeeds, so only it knows its group failed. Every member must still skip the same batch: the next one,
-    whose step the others cannot complete without it (it regroups) and it must not run either, else it
-    would train each later batch paired with the others' next one, a global step behind them."""
+def test_a_trainer_accumulating_gradients_survives_a_process_killed_in_a_micro_batch(tmp_path):
+    """accumulate_grad_batches=2: the middle process is SIGKILLed in the first micro-batch of global step 2,
+    which accumulates locally (no collective). The survivors find out in the second micro-batch's
+    all-reduce, discard the step (both micro-batches), regroup before the next step's first micro-batch,
+    and heal a replacement at the next epoch's start."""
     out, main, logs, stderr = run_trainer_job(
-        tmp_path, FAULT_JOB_KILL="00001:4:between", FAULT_JOB_REPLACEMENTS="0", FAULT_JOB_EPOCHS="2"
+        tmp_path, FAULT_JOB_KILL="00001:2:forward", FAULT_JOB_ACCUMULATE="2", FAULT_JOB_EPOCHS="3"
     )
+    assert_one_training(logs, main, epochs=3, steps_per_epoch=STEPS_PER_EPOCH // 2)
+    assert [int(line[6]) for line in logs["00001"]] == [0, 1, 2, 3]  # died in batch 4, global step 2
+    assert stderr.count("the update of epoch 0, batch 5 (global step 2) was discarded on every member") == 2
+    assert "healed 00003" in stderr and "replicas verified" in stderr
+    assert logs["00003"][0][6] == "0", f"the replacement joined mid-epoch: {logs['00003'][0]}"
+    for uid in ("00000", "00002"):
+        assert int(logs[uid][-1][4]) == 3 * STEPS_PER_EPOCH // 2, f"{uid} did not finish"
+
+
+@pytest.mark.timeout(260)
+@pytest.mark.parametrize("accumulate", [1, 2], ids=["every-batch", "accumulating-2"])
+def test_a_collective_between_steps_failing_on_one_member_costs_every_member_the_same_batch(
+    tmp_path, accumulate
+):
+    """After global step 4 (2 with accumulation; mid-epoch, batch 4 starts the next step), checkpoint saving's
+    all-reduce fails on process 00001 alone; the others' succeeds, so only it knows its group failed. Every member must still skip the same optimizer step (its
+    batch, or its two accumulated micro-batches): the next one, whose step the others cannot complete
+    without it, and it must not run it either, else it would train each later step paired with the others'
+    next one, a global step behind them."""
+    out, main, logs, stderr = run_trainer_job(
+        tmp_path,
+        FAULT_JOB_KILL=f"00001:{4 // accumulate}:between",
+        FAULT_JOB_REPLACEMENTS="0",
+        FAULT_JOB_EPOCHS="2",
+        FAULT_JOB_ACCUMULATE=str(accumulate),
+    )
+    step = 4 // accumulate
     assert "injected failure between steps in process 00001" in stderr
     assert set(logs) == {"00000", "00001", "00002"}
     rows = {
         uid: [(int(line[4]), int(line[5]), int(line[6])) for line in lines] for uid, lines in logs.items()
     }
     assert rows["00000"] == rows["00001"] == rows["00002"], "the members trained different batches"
-    assert stderr.count("the update of epoch 0, batch 4 (global step 4) was discarded on every member") == 3
-    assert stderr.count("was discarded on every member") == 3  # that one batch only
+    discarded = f"the update of epoch 0, batch {4 + accumulate - 1} (global step {step}) was discarded on every member"
+    assert stderr.count(discarded) == 3
+    assert stderr.count("was discarded on every member") == 3  # that one step only
     assert "no peer answered" not in stderr  # nobody waited out a collective
     digest = {int(line[4]): line[7] for line in logs["00000"]}
-    assert digest[5] == digest[4] != digest[6]  # batch 4's update applied nowhere, batch 5's everywhere
-    assert_one_training(logs, main, epochs=2)
+    assert (
+        digest[step + 1] == digest[step] != digest[step + 2]
+    )  # that update applied nowhere, the next everywhere
+    assert_one_training(logs, main, epochs=2, steps_per_epoch=STEPS_PER_EPOCH // accumulate)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(200)
 def test_ranks_with_different_numbers_of_batches_are_refused_at_the_epochs_start_naming_each_count(tmp_path):
     """Without a DistributedSampler rank 2 gets a batch fewer: its steps and the others' would no longer
     pair up (a gradient all-reduce meeting an end-of-epoch collective). Every process refuses it at the

@@ -382,6 +382,22 @@ class FaultTolerance:
                 self._failed_between_steps = False  # every member is here, in one generation: no step lost
                 return
 
+    @property
+    def failed_between_steps(self) -> bool:
+        """Whether a collective between steps failed on this member since its last step (its group is
+        released): see :meth:`skip_step_after_failure`."""
+        return self._failed_between_steps
+
+    def prepare_step(self) -> None:
+        """Apply a membership change decided since the last step now, before a step whose work begins
+        before :meth:`step` (the Trainer's gradient accumulation: micro-batches that accumulate locally,
+        then one that synchronises inside ``step()``), so that all of it runs in the new group. Every
+        member calls it at the same point. Newcomers are not admitted here. Nothing happens on a member
+        whose collective between steps failed: it skips that step (:meth:`skip_step_after_failure`), and
+        the others, who cannot complete it, regroup with it before the next."""
+        if not self._failed_between_steps:
+            self._at_boundary(admit=False)
+
     def skip_step_after_failure(self) -> bool:
         """For a loop that keys each step's data on its own batch counter (the Lightning Trainer's), called
         before each step: whether this member must skip the batch it is about to train, as the others will.

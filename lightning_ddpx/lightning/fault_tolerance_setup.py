@@ -6,7 +6,11 @@ matters; the protocol itself (membership, votes, heals) is :class:`~lightning_dd
 - **Steps.** Each optimizer step's closure (forward and backward) runs inside ``FaultTolerance.step()``; the
   optimizer steps only if every member's collectives succeeded. A discarded step counts like a step whose
   update was skipped (as AMP's inf/NaN check skips one): ``global_step`` moves, that batch's update is lost on
-  every member, and the loop goes on with the next batch.
+  every member, and the loop goes on with the next batch. A membership change is applied at the start of
+  the optimizer step's first batch (:meth:`TrainerFaultTolerance.begin_batch`): with
+  ``accumulate_grad_batches=k`` the k-1 micro-batches that accumulate locally run between steps (a
+  collective in them, a buffer broadcast or a synced log, fails that member's step alone), and the k-th
+  synchronises inside ``step()``.
 - **Averages.** With DiLoCo or post-local SGD the average after a step (an outer step, a fragment's sync)
   runs through ``FaultTolerance.average_after_step``: snapshotted, voted on, put back and rerun over the
   survivors.
@@ -111,12 +115,6 @@ def check_trainer(trainer: Any, backend: str) -> None:
             "DDPXStrategy: fault_tolerance supports automatic optimisation only: with manual optimisation the "
             "strategy cannot tell where a step begins and ends."
         )
-    if trainer.accumulate_grad_batches != 1:
-        raise ValueError(
-            f"DDPXStrategy: fault_tolerance does not support accumulate_grad_batches="
-            f"{trainer.accumulate_grad_batches}: the accumulating backward passes run outside the step the "
-            "members agree on."
-        )
 
 
 class TrainerFaultTolerance:
@@ -131,6 +129,7 @@ class TrainerFaultTolerance:
         self._sharded_for: Optional[tuple[int, int]] = None  # (world size, rank) the samplers were built for
         self._restored = False  # a newcomer's checkpoint was handed to its fit
         self._logged: dict[str, float] = {}
+        self._step_begun = False  # an optimizer step's first batch began, its optimizer step has not run
         self.metrics = MetricSyncGuard(self.between_steps)  # torchmetrics' own syncs, at set-up
 
     # ------------------------------------------------------------------------------------------ join
@@ -257,6 +256,31 @@ class TrainerFaultTolerance:
             loop.max_batches = len(combined)
 
     # ----------------------------------------------------------------------------------- the steps
+    def begin_batch(self) -> None:
+        """At each training batch's start (after the epoch's boundary). The first batch of an optimizer step
+        (every batch; with ``accumulate_grad_batches=k`` the first of k) applies a membership change decided
+        since the last step, so that every micro-batch of the step runs in the new group."""
+        if self.fault is None or self._step_begun:
+            return
+        self._step_begun = True
+        self.fault.prepare_step()
+
+    def accumulating_step(self, run: Callable[[], Any], device: torch.device) -> Any:
+        """A micro-batch's ``training_step`` that accumulates locally (gradient accumulation): between steps
+        for the fault tolerance. Skipped once a collective failed on this member since the last step, whose
+        update every member then discards; a collective in it that fails (a buffer broadcast, a synced log)
+        makes it so. A skipped micro-batch returns a zero loss that reaches no parameter (Lightning refuses a
+        ``None`` in distributed training)."""
+        if self.fault is None:
+            return run()
+
+        def skipped() -> torch.Tensor:
+            return torch.zeros((), device=device, requires_grad=True)
+
+        if self.fault.failed_between_steps:
+            return skipped()
+        return self.fault.outside_step(run, skipped)
+
     def optimizer_step(
         self,
         step: Callable[[Callable[[], Any]], Any],
@@ -269,6 +293,7 @@ class TrainerFaultTolerance:
         post-local SGD's average) averages when due, voted on and retried over the survivors; replacements
         still wait for the next epoch's start."""
         assert self.fault is not None
+        self._step_begun = False
         if self.fault.skip_step_after_failure():  # the others cannot complete this step: all skip it
             return self._discarded(closure, batch_idx, "a collective between steps failed on this member")
         with self.fault.step(admit=False) as outcome:

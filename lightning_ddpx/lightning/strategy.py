@@ -396,8 +396,10 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self._fault is not None and batch_idx == 0:
-            self._fault.epoch_boundary()  # once per epoch: here if no DistributedSampler's set_epoch came first
+        if self._fault is not None:
+            if batch_idx == 0:
+                self._fault.epoch_boundary()  # once per epoch: here if no DistributedSampler's set_epoch came first
+            self._fault.begin_batch()
         info = self._uneven_steps.advance()
         if info is not None and isinstance(self.model, DistributedDataParallel):
             self.model.buffer_source_rank = info.authority  # not a rank that is only replaying
@@ -472,6 +474,10 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             # manual_backward arms it (pre_backward), with its own loss.
             with self.model.no_sync():
                 return super().training_step(*args, **kwargs)
+        if self._fault is not None and self._sync_blocked:  # a micro-batch that accumulates locally
+            return self._fault.accumulating_step(
+                lambda: super(DDPXStrategy, self).training_step(*args, **kwargs), self.root_device
+            )
         return super().training_step(*args, **kwargs)
 
     @override
@@ -631,9 +637,8 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         if self._averaging is not None:
             self._averaging.finish()  # no DiLoCo exchange left in flight when the group goes
         if isinstance(self.model, DistributedDataParallel):
-            self._final_bucket_layout = (
-                self.model.reducer_state_dict()
-            )  # for trainer.save_checkpoint after fit
+            if self.model.process_group is not None:  # else released after a fault-tolerant member's failure
+                self._final_bucket_layout = self.model.reducer_state_dict()  # for save_checkpoint after fit
             _remove_gradient_hooks(self.model)
             self.model = pl_module  # unwrap
         trainer = lightning_compat.trainer_of(pl_module) if pl_module is not None else None

@@ -563,12 +563,18 @@ class DistributedDataParallel(nn.Module, Joinable):
         Wrap the forward too: whether a backward synchronises is decided when its forward runs. Entering
         it while this rank's backward is already reducing (from a gradient hook or a backward callback) is
         an error: this rank has launched buckets the other ranks are reducing with it, so the iteration
-        must finish as it started.
+        must finish as it started. A module whose process group was released (a fault-tolerant member's
+        failure) reduces nothing until it gets a new one: inside, it accumulates locally all the same.
         """
-        self.reducer.require_between_iterations(lambda: reducer_messages.no_sync_while_reducing(self.rank))
+        released = self._reducer is None and self.process_group is None
+        if not released:
+            self.reducer.require_between_iterations(
+                lambda: reducer_messages.no_sync_while_reducing(self.rank)
+            )
         previous = self.require_backward_grad_sync
         self.require_backward_grad_sync = False
-        self.reducer.allow_local_backward()
+        if not released:
+            self.reducer.allow_local_backward()
         try:
             yield
         finally:
