@@ -50,7 +50,8 @@ def hook_digest(shared: dict) -> str:
     """A hash of PowerSGD's shared state: the seed generator and every warm-start Q."""
     h = hashlib.sha256(shared["rng_state"].numpy().tobytes())
     for index in sorted(shared["q"]):
-        h.update(shared["q"][index].numpy().tobytes())
+        q = shared["q"][index]  # bfloat16 inside the bf16 wrapper: numpy has no such type, its bits hash alike
+        h.update((q.view(torch.int16) if q.dtype == torch.bfloat16 else q).numpy().tobytes())
     return h.hexdigest()[:16]
 
 

@@ -280,8 +280,13 @@ def assert_same_hook_state(out: Path, steps: int) -> None:
         assert next(iter(found))[0] == step
 
 
-@pytest.mark.parametrize("hook", ["powersgd", "batched_powersgd"])
-def test_powersgd_follows_the_new_membership_and_a_newcomer_gets_its_shared_state(tmp_path, hook):
+@pytest.mark.parametrize(
+    ("hook", "wrapper"),
+    [("powersgd", None), ("batched_powersgd", None), ("powersgd", "bf16")],
+    ids=["powersgd", "batched_powersgd", "powersgd-in-bf16-wrapper"],
+)
+def test_powersgd_follows_the_new_membership_and_a_newcomer_gets_its_shared_state(tmp_path, hook, wrapper):
+    options = {**POWERSGD, "comm_wrapper": wrapper} if wrapper else POWERSGD
     done, logs = run_fault_job(
         tmp_path,
         kill="00002:4:backward",  # compressing since step 2: buckets of the failed step were compressed
@@ -290,7 +295,7 @@ def test_powersgd_follows_the_new_membership_and_a_newcomer_gets_its_shared_stat
         pause_s=1.0,
         hook=hook,
         FAULT_JOB_FULL_WORLD="3",
-        FAULT_JOB_DDP_OPTIONS=json.dumps(POWERSGD),
+        FAULT_JOB_DDP_OPTIONS=json.dumps(options),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert_consistent(logs, ["00000", "00001"], steps=16)
