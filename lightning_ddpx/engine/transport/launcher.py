@@ -168,8 +168,8 @@ def _serve(tasks: "queue.SimpleQueue[_Item | None]", device: torch.device) -> No
 
 def _not_run_after(error: BaseException) -> RuntimeError:
     """The error of a task not run because an earlier one of its sequence failed with ``error``."""
+    first_line = (str(error).strip().splitlines() or [""])[0][:200]
     return RuntimeError(
-        "not run: an earlier hook call of this reduction failed on this rank "
-        f"({type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}), "
-        "so this rank issues no further collective its peers could pair with the wrong one"
+        f"not run: an earlier hook call of this reduction failed on this rank ({type(error).__name__}: "
+        f"{first_line}), so this rank issues no further collective its peers could pair with the wrong one"
     )
