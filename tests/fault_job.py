@@ -14,6 +14,11 @@ replaces the last one: with ``FAULT_JOB_CHECKPOINT=path`` and ``FAULT_JOB_CHECKP
 seconds later); ``raise`` makes it raise a communication failure inside
 the step without dying (the fail-at injection: every member discards the step, nobody is lost);
 ``hang`` keeps it alive but stuck after its backward, never voting;
+``FAULT_JOB_OWN_BATCHES=1`` makes the loop take its batches from its own counter instead (one per attempt,
+a discarded one skipped, as a loop over a data loader would; ``ft.skip_step_after_failure()`` before each
+step), all-reduce a metric between steps through ``ft.outside_step``, and append ``step batch`` after each
+committed step to ``OUT_DIR/<uid>.batches``; ``between`` then makes that metric's all-reduce after that
+step fail on that process alone (issued first: the others' succeeds).
 ``collective`` makes its second all-reduce of that step (a bucket's, mid-backward) fail on it alone (the
 others' collectives all succeed); ``unissued`` makes it raise there instead of issuing that all-reduce (a
 local error inside a hook, between two of its collectives); ``sync``
@@ -50,7 +55,9 @@ def hook_digest(shared: dict) -> str:
     """A hash of PowerSGD's shared state: the seed generator and every warm-start Q."""
     h = hashlib.sha256(shared["rng_state"].numpy().tobytes())
     for index in sorted(shared["q"]):
-        q = shared["q"][index]  # bfloat16 inside the bf16 wrapper: numpy has no such type, its bits hash alike
+        q = shared["q"][
+            index
+        ]  # bfloat16 inside the bf16 wrapper: numpy has no such type, its bits hash alike
         h.update((q.view(torch.int16) if q.dtype == torch.bfloat16 else q).numpy().tobytes())
     return h.hexdigest()[:16]
 
@@ -97,6 +104,20 @@ def fail_at_a_collective(ft: FaultTolerance, step: int, me: str, injected: list,
         return real_allreduce(group, *args, **kwargs)
 
     dist.ProcessGroup.allreduce = failing_allreduce
+
+
+def metric_between_steps(ft: FaultTolerance, me: str, fail: bool, at_step: int) -> None:
+    """An all-reduce between steps, through ``ft.outside_step`` (as a logged metric's would be); with ``fail``
+    at committed step ``at_step`` it fails on this process alone, after it was issued."""
+    value = torch.ones(1)
+
+    def reduce() -> torch.Tensor:
+        dist.all_reduce(value)
+        if fail and ft.steps_committed == at_step:
+            raise CommunicationError(f"injected failure between steps in process {me}")
+        return value
+
+    ft.outside_step(reduce, lambda: value)
 
 
 def main() -> None:
@@ -164,11 +185,16 @@ def main() -> None:
         net[0].weight.register_hook(lambda g: (maybe_die(kill_point), g)[1])
     if kill_point in ("collective", "unissued") and me == kill_uid:
         fail_at_a_collective(ft, int(kill_step), me, injected, issued=kill_point == "collective")
+    own_batches = bool(os.environ.get("FAULT_JOB_OWN_BATCHES"))
+    batch_index = -1  # with own_batches: the loop's own counter, one per attempt
     with open(os.path.join(out_dir, f"{me}.log"), "a") as log:
         while ft.steps_committed < steps:
             maybe_die("boundary")
+            batch_index += 1
+            if own_batches and ft.skip_step_after_failure():
+                continue  # the others discard this batch's step: skip the same batch
             with ft.step() as outcome:
-                x, y = batch(ft.steps_committed, ft.rank, ft.world_size)
+                x, y = batch(batch_index if own_batches else ft.steps_committed, ft.rank, ft.world_size)
                 optimizer.zero_grad()
                 maybe_die("forward")
                 loss = nn.functional.mse_loss(model(x), y)
@@ -202,6 +228,12 @@ def main() -> None:
                         print(ft.steps_committed, *hook_record(shared), file=hook_log)
                 if checkpoint and every and ft.steps_committed % every == 0:
                     ft.save_checkpoint(checkpoint)
+                if own_batches:
+                    with open(os.path.join(out_dir, f"{me}.batches"), "a") as batches:
+                        print(ft.steps_committed, batch_index, file=batches)
+                    metric_between_steps(
+                        ft, me, kill_point == "between" and me == kill_uid, int(kill_step or -1)
+                    )
     print(f"{me} done: {ft.stats}", flush=True)
     with open(os.path.join(out_dir, f"{me}.metrics.json"), "w") as metrics:  # what a logger would get
         json.dump(ft.stats.metrics(), metrics, sort_keys=True)
