@@ -382,12 +382,6 @@ class FaultTolerance:
                 self._failed_between_steps = False  # every member is here, in one generation: no step lost
                 return
 
-    @property
-    def failed_between_steps(self) -> bool:
-        """Whether a collective between steps failed on this member since its last step (its group is
-        released): see :meth:`skip_step_after_failure`."""
-        return self._failed_between_steps
-
     def prepare_step(self) -> None:
         """Apply a membership change decided since the last step now, before a step whose work begins
         before :meth:`step` (the Trainer's gradient accumulation: micro-batches that accumulate locally,

@@ -269,16 +269,15 @@ class TrainerFaultTolerance:
         """A micro-batch's ``training_step`` that accumulates locally (gradient accumulation): between steps
         for the fault tolerance. Skipped once a collective failed on this member since the last step, whose
         update every member then discards; a collective in it that fails (a buffer broadcast, a synced log)
-        makes it so. A skipped micro-batch returns a zero loss that reaches no parameter (Lightning refuses a
-        ``None`` in distributed training)."""
+        makes it so (``outside_step`` answers with the fallback while a membership change is pending). A
+        skipped micro-batch returns a zero loss that reaches no parameter (Lightning refuses a ``None`` in
+        distributed training)."""
         if self.fault is None:
             return run()
 
         def skipped() -> torch.Tensor:
             return torch.zeros((), device=device, requires_grad=True)
 
-        if self.fault.failed_between_steps:
-            return skipped()
         return self.fault.outside_step(run, skipped)
 
     def optimizer_step(
