@@ -321,6 +321,7 @@ def run_counted_construction(rank: int, world_size: int, wanted: list[bool], ini
     calls = _record_collectives()
     model = lightning_ddpx.DistributedDataParallel(mlp(), init_sync=init_sync)
     issued = list(calls)
+    mlp_loss(model, 0).backward()  # its first reduction: a path left undecided is chosen by then
     train_side_by_side(rank, mlp, mlp_loss, 2, rtol=0, atol=0)  # still in step with the other rank
     return {"calls": issued, "path": default_path(model), "refusal": model.reducer.shared_memory_refusal}
 
@@ -355,12 +356,21 @@ def test_switched_off_costs_no_collective_and_disagreement_falls_back(
             assert "DDPX_SHARED_MEMORY=0 in" in result["refusal"], result
 
 
-def test_without_the_model_check_one_all_gather_asks() -> None:
-    """``init_sync=False`` skips the model check: one all-gather of one integer per rank then says whether
-    every rank wants shared memory (a rank cannot know the other's environment without asking)."""
-    results = run_distributed(run_counted_construction, 2, [False, True], False)
-    assert [result["calls"] for result in results] == [["all_gather"]] * 2, results
-    assert [result["path"] for result in results] == ["whole"] * 2
+@pytest.mark.parametrize(
+    "wanted, expected_path",
+    [([False, True], "whole"), ([True, True], "shared_memory")],
+    ids=["off_on_rank_0", "on"],
+)
+def test_without_the_model_check_construction_issues_nothing_and_the_settings_check_asks(
+    wanted: list[bool], expected_path: str
+) -> None:
+    """``init_sync=False`` skips the model check: construction issues no collective at all (as torch's DDP),
+    so a rank building its module cannot meet a collective the other rank runs meanwhile (a fault-tolerant
+    newcomer receiving its state). Whether every rank wants shared memory then travels on the settings check
+    before the first reduction, and the path is chosen there, alike on both ranks."""
+    results = run_distributed(run_counted_construction, 2, wanted, False)
+    assert [result["calls"] for result in results] == [[]] * 2, results
+    assert [result["path"] for result in results] == [expected_path] * 2, results
 
 
 @pytest.mark.slow

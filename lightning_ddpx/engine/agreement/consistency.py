@@ -138,17 +138,19 @@ def _torch_count_sentence(counts: list[int]) -> str:
 
 
 def verify_same_settings(
-    settings: dict[str, str], process_group: dist.ProcessGroup, device: torch.device
-) -> None:
+    settings: dict[str, str], process_group: dist.ProcessGroup, device: torch.device, carry: int = 0
+) -> list[int]:
     """Raise ``ValueError`` on every rank if ranks were configured differently (hook, its options, bucket
     caps, ...): their collectives would then not match, which ends in a hang or a crash inside the backend
-    at some later step. One small all-gather of a digest; descriptions travel only when digests differ."""
+    at some later step. One small all-gather of a digest; descriptions travel only when digests differ.
+    Returns every rank's ``carry`` (an integer that travels on the same all-gather, as in
+    :func:`verify_same_parameters`)."""
     world_size = dist.get_world_size(process_group)
-    mine = torch.tensor([_digest(sorted(settings.items()))], dtype=torch.int64, device=device)
+    mine = torch.tensor([_digest(sorted(settings.items())), carry], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(gathered, mine, group=process_group)
-    if all(int(d) == int(gathered[0]) for d in gathered):
-        return
+    if all(int(d[0]) == int(gathered[0][0]) for d in gathered):
+        return [int(d[1]) for d in gathered]
     everyone: list[dict[str, str] | None] = [None] * world_size
     dist.all_gather_object(everyone, settings, group=process_group)
     raise ValueError(describe_setting_difference(everyone))  # type: ignore[arg-type]

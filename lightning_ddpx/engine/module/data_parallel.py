@@ -241,7 +241,9 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _new_reducer(self) -> Reducer:
         """The reducer for the module's trainable parameters, with this module's options.
 
-        Collective on two CPU ranks (it maps the shared-memory slots): every rank builds it at once.
+        Collective on two CPU ranks when the model check carried every rank's shared-memory obstacles (it
+        maps the shared memory): every rank builds it at once. Without them no collective: the settings
+        check chooses the path (:class:`~lightning_ddpx.engine.transport.transports.UndecidedDefault`).
         """
         trainable = self._trainable.trainable()
         reducer = Reducer(
@@ -268,9 +270,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         (:mod:`lightning_ddpx.fault`), and every member calls this, between iterations, with the new group.
 
         The old reducer is closed without waiting for its group, whose peers may be gone, and a new one is
-        built (collective on two CPU ranks, as at construction). The parameters are not broadcast: the
-        caller makes the members' replicas equal (a newcomer is healed from a live peer) and proves it.
-        ``comm_hook``: the ``(state, hook)`` the new reducer uses; a module with a registered hook needs it
+        built with no collective: its default path is chosen with every rank at the first settings check
+        (:class:`~lightning_ddpx.engine.transport.transports.UndecidedDefault` says why). The parameters are
+        not broadcast: the caller makes the members' replicas equal (a newcomer is healed from a live peer)
+        and proves it. ``comm_hook``: the ``(state, hook)`` the new reducer uses; a module with a registered hook needs it
         (only the caller knows whether the hook's state can follow a new group). A parameter averaging it
         brings (DiLoCo's outer step) stays bound as it was: its anchors and counters are kept.
         """
@@ -295,7 +298,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.buffer_source_rank = 0
-        self._shared_memory_obstacles = None  # the new group's ranks are asked again
+        self._shared_memory_obstacles = None  # the new group's ranks are asked at its settings check
         self._reducer = self._new_reducer()
         if comm_hook is not None:
             self.register_comm_hook(*comm_hook)
@@ -472,13 +475,18 @@ class DistributedDataParallel(nn.Module, Joinable):
         Called before the first reduction or buffer broadcast (never at a forward that communicates nothing:
         a rank may run those alone, as with torch's DDP), once per reducer; ``again=True`` compares anew
         (a rank that joined with uneven inputs mirrors the others' check)."""
-        if (self.reducer.settings_verified and not again) or self.world_size == 1:
+        reducer = self.reducer
+        if (reducer.settings_verified and not again) or self.world_size == 1:
             return
         with waiting_for(
             "every rank to compare its settings (before the first synchronised backward)", self.process_group
         ):
-            verify_same_settings(self.settings(), self.process_group, self.device)
-        self.reducer.settings_verified = True
+            # each rank's shared-memory obstacles travel with it, for a default path not chosen yet
+            obstacles = verify_same_settings(
+                self.settings(), self.process_group, self.device, local_obstacles(self.device.type == "cpu")
+            )
+        reducer.settle_default(obstacles)  # every rank here, in step: no construction is (use_process_group)
+        reducer.settings_verified = True
 
     def _follow_trainable_changes(self) -> None:
         """Before a synchronised backward: if ``requires_grad`` changed on some parameter since the reducer was

@@ -53,6 +53,7 @@ from lightning_ddpx.engine.transport.transports import (
     CommHook,
     LocalGradients,
     Transport,
+    UndecidedDefault,
     choose_default,
     hook_name,
 )
@@ -160,6 +161,25 @@ class Reducer:
             self.process_group, self.params, self.sparse_gradients, self._obstacles
         )
         return transport
+
+    def settle_default(self, obstacles: Sequence[int] | None) -> None:
+        """Choose the default path left undecided at construction (:class:`UndecidedDefault
+        <lightning_ddpx.engine.transport.transports.UndecidedDefault>`), with every rank's shared-memory
+        obstacles (``None``: one all-gather asks). Every rank calls it at the same point, between iterations:
+        the module's settings check, whose all-gather carried them, or else the first reduction. Collective
+        when both ranks can map shared memory; nothing to do once chosen."""
+        old = self.transport
+        if not isinstance(old, UndecidedDefault):
+            return
+        transport, self.shared_memory_refusal, self._obstacles = choose_default(
+            self.process_group,
+            self.params,
+            self.sparse_gradients,
+            None if obstacles is None else list(obstacles),
+            defer=False,
+        )
+        transport.set_divisor(old.divisor or self.world_size)  # join's count of ranks stays
+        self.use_transport(transport)
 
     # ----------------------------------------------------------------------------------------- plan
     def _install_plan(self, order: Sequence[int] | None) -> None:
@@ -358,6 +378,7 @@ class Reducer:
 
     def _begin_reduction(self) -> None:
         self.before_reduction()
+        self.settle_default(None)  # the module's settings check chose it; a bare reducer asks here
         self.phase = Phase.REDUCING
         self.transport.begin_reduction()
         if not self.start.end_claimed:  # else the claimed backward's end finalizes

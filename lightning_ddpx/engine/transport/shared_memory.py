@@ -25,9 +25,12 @@ Set-up, in two parts:
    environment, no ``/dev/shm`` on its machine, parameters not on the CPU) is a few bits
    (:func:`local_obstacles`) that travel on the model check's all-gather at construction, which happens
    anyway: with shared memory off on every rank, construction issues no collective of its own for it, and
-   ranks that disagree all see the disagreement, so none waits in a set-up the other skips. Only a reducer
-   built without that check (``init_sync=False``, or after unpickling) asks with one all-gather of one
-   integer (:func:`gather_obstacles`).
+   ranks that disagree all see the disagreement, so none waits in a set-up the other skips. A module built
+   without that check (``init_sync=False``, unpickled, a new group from ``use_process_group``) issues no
+   collective at construction: its bits travel on the settings check before the first reduction, which
+   every rank runs in step (:class:`~lightning_ddpx.engine.transport.transports.UndecidedDefault` says
+   why). Only a reducer reducing without its module's check asks with one all-gather of one integer
+   (:func:`gather_obstacles`).
 2. :func:`open_exchange`, only when every rank wants it: rank 0 creates the file without a name
    (``O_TMPFILE``: it never appears in ``/dev/shm``; where the file system lacks it, a named file is
    unlinked right after it is created, before any collective), rank 1 opens it through

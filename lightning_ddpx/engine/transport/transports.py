@@ -47,7 +47,15 @@ from lightning_ddpx.engine.transport.shared_memory import (
     open_exchange,
 )
 
-__all__ = ["LocalGradients", "MeanAllReduce", "SharedMemorySum", "Transport", "choose_default", "hook_name"]
+__all__ = [
+    "LocalGradients",
+    "MeanAllReduce",
+    "SharedMemorySum",
+    "Transport",
+    "UndecidedDefault",
+    "choose_default",
+    "hook_name",
+]
 
 
 def hook_name(hook: Callable) -> str:
@@ -240,19 +248,39 @@ class SharedMemorySum(MeanAllReduce):
         return self.exchange.sum_hook(self.state, grad_bucket)  # copies the buffer into the slot first
 
 
+class UndecidedDefault(MeanAllReduce):
+    """No hook, two gloo ranks, and no collective has yet said whether both can use shared memory: the
+    reducer was built without the model check that carries it (``init_sync=False``, unpickled, or a new
+    group from ``use_process_group``). Such a construction issues no collective, and the choice is made
+    later, at a point every rank reaches in step: the settings check before the first reduction or buffer
+    broadcast, whose all-gather carries each rank's obstacles (:meth:`Reducer.settle_default
+    <lightning_ddpx.engine.reducer.reducer.Reducer.settle_default>`).
+
+    Why not at construction: a rank's construction is not always in step with the other rank's collectives.
+    A fault-tolerant survivor moves its module onto the new group and then sends the newcomer its state,
+    while the newcomer receives that state before its module exists; an all-gather at either construction met
+    the other side's state transfer, and the pair waited out the collective timeout at every generation."""
+
+    def describe(self) -> str:
+        return "the default path, not chosen yet (chosen with the settings check, the same on every rank)"
+
+
 def choose_default(
     process_group: dist.ProcessGroup,
     params: Sequence[torch.nn.Parameter],
     sparse_gradients: Sequence[bool],
     obstacles: list[int] | None,
+    *,
+    defer: bool = True,
 ) -> tuple[MeanAllReduce, str | None, list[int] | None]:
     """The default path for these parameters: shared memory when both of two gloo ranks can map it, else
     the mean all-reduce. Returns it, why not shared memory (``None`` when it is), and every rank's shared-
-    memory obstacles (gathered here when ``obstacles`` is ``None`` and they are needed).
+    memory obstacles.
 
     No collective when every rank knows alike that shared memory is out (world size, backend) or when the
-    obstacles rule it out (``DDPX_SHARED_MEMORY=0`` on any rank...); otherwise collective
-    (:mod:`lightning_ddpx.engine.transport.shared_memory`, "Set-up")."""
+    obstacles rule it out (``DDPX_SHARED_MEMORY=0`` on any rank...). Without ``obstacles`` (no collective
+    carried them yet): :class:`UndecidedDefault`, no collective, when ``defer``; else one all-gather asks.
+    Otherwise collective (:mod:`lightning_ddpx.engine.transport.shared_memory`, "Set-up")."""
     world_size = dist.get_world_size(process_group)
     backend = dist.get_backend(process_group)
     if world_size != 2:
@@ -260,7 +288,10 @@ def choose_default(
         return MeanAllReduce(process_group), why, obstacles
     if backend != "gloo":
         return MeanAllReduce(process_group), f"backend {backend!r} rather than gloo", obstacles
-    if obstacles is None:  # built without the model check that carries them
+    if obstacles is None and defer:
+        why = "not chosen yet: the settings check before the first reduction asks every rank"
+        return UndecidedDefault(process_group), why, None
+    if obstacles is None:  # a reducer reducing without its module's settings check (tests, benchmarks)
         on_cpu = all(p.device.type == "cpu" for p in params)
         with waiting_for("the other rank to say whether it can use shared memory", process_group):
             obstacles = gather_obstacles(process_group, local_obstacles(on_cpu))
