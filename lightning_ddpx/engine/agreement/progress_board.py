@@ -1,13 +1,15 @@
 """Hang diagnosis: what every rank was last doing, read from the store when a collective fails.
 
 Each rank keeps its last started collective in memory (a string assignment per bucket) and copies it into
-the process group's store under one key per rank (``lightning_ddpx/progress/<rank>``, overwritten, so the
-store stays bounded) at most every ``PROGRESS_INTERVAL_S`` seconds, or at every record with
+the process group's store under one key per rank (``lightning_ddpx/round<N>/progress/<rank>``, overwritten,
+so the store stays bounded; the launcher's restart round ``N`` keeps a killed round's records out of the next
+round's reports: :mod:`~lightning_ddpx.engine.agreement.launch_round`) at most every ``PROGRESS_INTERVAL_S`` seconds, or at every record with
 ``DDPX_DEBUG=1``. When a collective fails or times out, :func:`peer_report` first writes this rank's exact
 state, waits briefly for the other ranks' own final writes, and reads every rank's key -- no collective,
 so it works while the group is broken. A rank that died or is busy elsewhere shows its last periodic
-record and how old it is. (The ``DDPX_DEBUG=1`` bucket-sequence check is
-:mod:`~lightning_ddpx.engine.agreement.sequence_check`.)
+record and how old it is. A rank that its launcher, in this process, saw end (:func:`note_lost`: the
+strategies' popen launcher) writes no final record: the report stops waiting for it and says how it ended.
+(The ``DDPX_DEBUG=1`` bucket-sequence check is :mod:`~lightning_ddpx.engine.agreement.sequence_check`.)
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from lightning_ddpx._compat.torch import default_store, process_group_store
+from lightning_ddpx.engine.agreement.launch_round import round_prefix
 from lightning_ddpx.engine.exit_threads import stop_at_exit
 
 __all__ = [
@@ -28,6 +31,7 @@ __all__ = [
     "PROGRESS_INTERVAL_S",
     "ProgressBoard",
     "debug_enabled",
+    "note_lost",
     "peer_report",
 ]
 
@@ -35,12 +39,16 @@ DEBUG_ENV = "DDPX_DEBUG"
 PROGRESS_INTERVAL_S = 0.5  # store writes per rank at most this often (one TCP round trip each)
 _STORE_TIMEOUT_S = 1.0  # longest a store operation of the diagnosis may block
 _FINAL_GRACE_S = 1.0  # how long a failing rank waits for the other ranks' final records
-_KEY = "lightning_ddpx/progress/{rank}"
+_KEY = "{prefix}{rank}"  # the prefix: this launcher round's (round_prefix("progress"))
 WRITER_THREAD_NAME = "lightning_ddpx-progress"
 _CLOSE_WAIT_S = 2 * _STORE_TIMEOUT_S  # longest wait for the writer at close: a write in flight is bounded
 _IDLE_EXIT_S = 10 * PROGRESS_INTERVAL_S  # the writer ends after this long without a record; restarts on one
 # id(process group) -> the board of the latest module on it; weak, so a collected module's board goes too
 _BOARDS: "weakref.WeakValueDictionary[int, ProgressBoard]" = weakref.WeakValueDictionary()
+# global rank -> how it ended, as a launcher in this process saw it (note_lost); a report waiting for final
+# records is woken when one is added
+_LOST: dict[int, str] = {}
+_LOST_NOTED = threading.Condition()
 
 
 def debug_enabled() -> bool:
@@ -65,6 +73,7 @@ class ProgressBoard:
         self._written_at = float("-inf")
         self._stamp = 0.0  # wall time of the record the writer thread writes next
         self._store = _store_of(process_group)
+        self._prefix = round_prefix("progress")
         self._wake = threading.Event()
         self._writer: _Writer | None = None
         self._writer_lock = threading.Lock()  # starting and idle-ending the writer
@@ -129,7 +138,7 @@ class ProgressBoard:
         if store is None:
             return
         try:
-            store.set(_KEY.format(rank=self.rank), f"{kind}|{stamp:.3f}|{what}")
+            store.set(_KEY.format(prefix=self._prefix, rank=self.rank), f"{kind}|{stamp:.3f}|{what}")
         except Exception:  # noqa: BLE001 - diagnosis must never break training; the store may be gone
             self._store = None
 
@@ -155,19 +164,23 @@ class ProgressBoard:
         store = self._store
         if store is None:
             return "What the other ranks were doing is unknown: the process group's store is unreachable."
-        keys = {r: _KEY.format(rank=r) for r in range(self.world_size) if r != self.rank}
+        keys = {r: _KEY.format(prefix=self._prefix, rank=r) for r in range(self.world_size) if r != self.rank}
         deadline = time.monotonic() + grace_s
         records: dict[int, str] = {}
+        lost: dict[int, str] = {}
         try:
             while True:
                 for r, key in keys.items():
                     if store.check([key]):
                         records[r] = store.get(key).decode()
-                if all(v.startswith("F|") for v in records.values()) and len(records) == len(keys):
+                lost = self._lost_peers(keys)
+                if all(r in lost or records.get(r, "").startswith("F|") for r in keys):
                     break
-                if time.monotonic() >= deadline:
+                left = deadline - time.monotonic()
+                if left <= 0:
                     break
-                time.sleep(0.1)
+                with _LOST_NOTED:  # a lost rank noted meanwhile ends the wait for its record at once
+                    _LOST_NOTED.wait(min(0.1, left))
         except Exception:  # noqa: BLE001 - rank 0 hosts the store: it may have died
             if not records:
                 return (
@@ -176,9 +189,23 @@ class ProgressBoard:
                 )
         return (
             "Other ranks, last started: "
-            + "; ".join(_describe_record(r, records.get(r)) for r in sorted(keys))
+            + "; ".join(_describe_record(r, records.get(r), lost.get(r)) for r in sorted(keys))
             + "."
         )
+
+    def _lost_peers(self, group_ranks: "dict[int, str]") -> dict[int, str]:
+        """The ranks among ``group_ranks`` (of this board's group) noted lost, with how they ended."""
+        if not _LOST:
+            return {}
+        found = {}
+        for r in group_ranks:
+            try:
+                how = _LOST.get(dist.get_global_rank(self.process_group, r))
+            except Exception:  # noqa: BLE001 - best effort: the group may already be gone
+                how = _LOST.get(r)
+            if how is not None:
+                found[r] = how
+        return found
 
 
 class _Writer(threading.Thread):
@@ -210,7 +237,10 @@ class _Writer(threading.Thread):
             self.join(timeout)
 
 
-def _describe_record(rank: int, record: str | None) -> str:
+def _describe_record(rank: int, record: str | None, lost: str | None = None) -> str:
+    if lost is not None:
+        last = "nothing of this module" if record is None else record.split("|", 2)[2]
+        return f"rank {rank}: {last} (then it {lost})"
     if record is None:
         return f"rank {rank}: no record (it has not started a collective of this module)"
     kind, stamp, what = record.split("|", 2)
@@ -221,6 +251,16 @@ def _describe_record(rank: int, record: str | None) -> str:
         f"rank {rank}: {what} (recorded {age:.1f} s ago and not failed since: it may be dead, stuck outside "
         "lightning_ddpx's collectives (data loading, a collective of its own), or slow)"
     )
+
+
+def note_lost(rank: int, how: str) -> None:
+    """A launcher in this process saw global rank ``rank`` end; ``how`` completes "then it ...", e.g. "was
+    killed by SIGKILL (process 4829)". A report waiting for final records stops waiting for this rank's,
+    which a lost rank never writes (without this, the whole ``failure_report_wait_s``), and says how it
+    ended. Lasts for the process: a rank number lost once is not reused in a run without fault tolerance."""
+    with _LOST_NOTED:
+        _LOST[rank] = how
+        _LOST_NOTED.notify_all()
 
 
 def peer_report(process_group: dist.ProcessGroup | None) -> str | None:
