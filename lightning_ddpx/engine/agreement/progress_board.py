@@ -7,8 +7,9 @@ round's reports: :mod:`~lightning_ddpx.engine.agreement.launch_round`) at most e
 ``DDPX_DEBUG=1``. When a collective fails or times out, :func:`peer_report` first writes this rank's exact
 state, waits briefly for the other ranks' own final writes, and reads every rank's key -- no collective,
 so it works while the group is broken. A rank that died or is busy elsewhere shows its last periodic
-record and how old it is. (The ``DDPX_DEBUG=1`` bucket-sequence check is
-:mod:`~lightning_ddpx.engine.agreement.sequence_check`.)
+record and how old it is. A rank that its launcher, in this process, saw end (:func:`note_lost`: the
+strategies' popen launcher) writes no final record: the report stops waiting for it and says how it ended.
+(The ``DDPX_DEBUG=1`` bucket-sequence check is :mod:`~lightning_ddpx.engine.agreement.sequence_check`.)
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ __all__ = [
     "PROGRESS_INTERVAL_S",
     "ProgressBoard",
     "debug_enabled",
+    "note_lost",
     "peer_report",
 ]
 
@@ -43,6 +45,10 @@ _CLOSE_WAIT_S = 2 * _STORE_TIMEOUT_S  # longest wait for the writer at close: a 
 _IDLE_EXIT_S = 10 * PROGRESS_INTERVAL_S  # the writer ends after this long without a record; restarts on one
 # id(process group) -> the board of the latest module on it; weak, so a collected module's board goes too
 _BOARDS: "weakref.WeakValueDictionary[int, ProgressBoard]" = weakref.WeakValueDictionary()
+# global rank -> how it ended, as a launcher in this process saw it (note_lost); a report waiting for final
+# records is woken when one is added
+_LOST: dict[int, str] = {}
+_LOST_NOTED = threading.Condition()
 
 
 def debug_enabled() -> bool:
@@ -161,16 +167,20 @@ class ProgressBoard:
         keys = {r: _KEY.format(prefix=self._prefix, rank=r) for r in range(self.world_size) if r != self.rank}
         deadline = time.monotonic() + grace_s
         records: dict[int, str] = {}
+        lost: dict[int, str] = {}
         try:
             while True:
                 for r, key in keys.items():
                     if store.check([key]):
                         records[r] = store.get(key).decode()
-                if all(v.startswith("F|") for v in records.values()) and len(records) == len(keys):
+                lost = self._lost_peers(keys)
+                if all(r in lost or records.get(r, "").startswith("F|") for r in keys):
                     break
-                if time.monotonic() >= deadline:
+                left = deadline - time.monotonic()
+                if left <= 0:
                     break
-                time.sleep(0.1)
+                with _LOST_NOTED:  # a lost rank noted meanwhile ends the wait for its record at once
+                    _LOST_NOTED.wait(min(0.1, left))
         except Exception:  # noqa: BLE001 - rank 0 hosts the store: it may have died
             if not records:
                 return (
@@ -179,9 +189,23 @@ class ProgressBoard:
                 )
         return (
             "Other ranks, last started: "
-            + "; ".join(_describe_record(r, records.get(r)) for r in sorted(keys))
+            + "; ".join(_describe_record(r, records.get(r), lost.get(r)) for r in sorted(keys))
             + "."
         )
+
+    def _lost_peers(self, group_ranks: "dict[int, str]") -> dict[int, str]:
+        """The ranks among ``group_ranks`` (of this board's group) noted lost, with how they ended."""
+        if not _LOST:
+            return {}
+        found = {}
+        for r in group_ranks:
+            try:
+                how = _LOST.get(dist.get_global_rank(self.process_group, r))
+            except Exception:  # noqa: BLE001 - best effort: the group may already be gone
+                how = _LOST.get(r)
+            if how is not None:
+                found[r] = how
+        return found
 
 
 class _Writer(threading.Thread):
@@ -213,7 +237,10 @@ class _Writer(threading.Thread):
             self.join(timeout)
 
 
-def _describe_record(rank: int, record: str | None) -> str:
+def _describe_record(rank: int, record: str | None, lost: str | None = None) -> str:
+    if lost is not None:
+        last = "nothing of this module" if record is None else record.split("|", 2)[2]
+        return f"rank {rank}: {last} (then it {lost})"
     if record is None:
         return f"rank {rank}: no record (it has not started a collective of this module)"
     kind, stamp, what = record.split("|", 2)
@@ -224,6 +251,16 @@ def _describe_record(rank: int, record: str | None) -> str:
         f"rank {rank}: {what} (recorded {age:.1f} s ago and not failed since: it may be dead, stuck outside "
         "lightning_ddpx's collectives (data loading, a collective of its own), or slow)"
     )
+
+
+def note_lost(rank: int, how: str) -> None:
+    """A launcher in this process saw global rank ``rank`` end; ``how`` completes "then it ...", e.g. "was
+    killed by SIGKILL (process 4829)". A report waiting for final records stops waiting for this rank's,
+    which a lost rank never writes (without this, the whole ``failure_report_wait_s``), and says how it
+    ended. Lasts for the process: a rank number lost once is not reused in a run without fault tolerance."""
+    with _LOST_NOTED:
+        _LOST[rank] = how
+        _LOST_NOTED.notify_all()
 
 
 def peer_report(process_group: dist.ProcessGroup | None) -> str | None:
