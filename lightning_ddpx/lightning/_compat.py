@@ -12,14 +12,21 @@ from typing import Any, Optional
 from lightning.fabric.strategies.ddp import _DDPBackwardSyncControl
 from lightning.fabric.strategies.launchers.launcher import _Launcher as _FabricLauncher
 from lightning.fabric.strategies.launchers.subprocess_script import _basic_subprocess_cmd
+from lightning.fabric.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher as _FabricSubprocessLauncher,
+)
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.strategies.launchers.launcher import _Launcher as _TrainerLauncher
+from lightning.pytorch.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher as _TrainerSubprocessLauncher,
+)
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
 
 __all__ = [
@@ -28,9 +35,11 @@ __all__ = [
     "ContinuingCSVWriter",
     "DDPBackwardSyncControl",
     "FabricLauncher",
+    "FabricSubprocessLauncher",
     "ForwardRedirection",
     "StrategyRegistry",
     "TrainerLauncher",
+    "TrainerSubprocessLauncher",
     "WrappingCheckpointIO",
     "compiler_context",
     "discard_closure_result",
@@ -45,6 +54,8 @@ __all__ = [
     "pin_logger",
     "restore_on_fit",
     "script_command",
+    "set_threads_per_process",
+    "start_children",
     "train_combined_loader",
     "trainer_of",
     "unwrapped_optimizer",
@@ -126,6 +137,26 @@ def weights_only_argument(weights_only: Optional[bool]) -> dict[str, Optional[bo
 # The launchers' bases, for the fault-tolerant launchers (the process the user started supervises). >= 2.0.
 TrainerLauncher = _TrainerLauncher
 FabricLauncher = _FabricLauncher
+
+
+# Lightning's popen launchers (the user's process is rank 0 and starts the others with the script's
+# command), for ours, which name a lost process before anything is killed (lightning/popen_launcher.py).
+# A subclass, so Lightning's checks for its launcher (the Trainer's Ctrl-C path) accept ours. >= 2.0.
+TrainerSubprocessLauncher = _TrainerSubprocessLauncher
+FabricSubprocessLauncher = _FabricSubprocessLauncher
+
+
+def start_children(launcher: Any) -> None:
+    """A popen launcher's children (local ranks 1..N-1, ``launcher.procs``), started as Lightning starts
+    them: the rendezvous variables set in this process, each child's own ``LOCAL_RANK``, Hydra's command
+    when Hydra runs. >= 2.0; checked on 2.6.6."""
+    launcher._call_children_scripts()
+
+
+def set_threads_per_process(num_processes: int) -> None:
+    """Lightning's OpenMP thread count for ``num_processes`` processes on one machine, unless the user set
+    ``OMP_NUM_THREADS``; its popen launchers call it before running the function. >= 2.0; checked on 2.6.6."""
+    _set_num_threads_if_needed(num_processes=num_processes)
 
 
 def script_command() -> list[str]:

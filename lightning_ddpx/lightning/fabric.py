@@ -64,6 +64,7 @@ from lightning_ddpx.lightning.fault_tolerance_metrics import MetricSyncGuard
 from lightning_ddpx.lightning.fault_tolerance_setup import CHECKPOINT_KEY as FAULT_TOLERANCE_KEY
 from lightning_ddpx.lightning.fault_tolerance_setup import follow_rank
 from lightning_ddpx.lightning.options import takes_ddpx_options
+from lightning_ddpx.lightning.popen_launcher import FabricPopenLauncher
 from lightning_ddpx.lightning.process_exit import destroy_process_group_at_exit
 from lightning_ddpx.lightning.replica_verification import ReplicaVerifier
 from lightning_ddpx.lightning.uneven import StepInfo, StepQueue
@@ -158,7 +159,12 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     def _configure_launcher(self) -> None:
         options = self.ddpx_config.fault_tolerance
         if options is None:
-            return super()._configure_launcher()
+            if self._start_method != "popen":
+                return super()._configure_launcher()
+            assert self.cluster_environment is not None
+            # Lightning's, naming a lost process before anything is killed (lightning/popen_launcher.py)
+            self._launcher = FabricPopenLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            return
         if self.num_nodes > 1 and not in_training_process():
             raise ValueError(
                 "DDPXStrategy: with fault_tolerance on several machines, start the script with "

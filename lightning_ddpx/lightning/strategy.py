@@ -66,6 +66,7 @@ from lightning_ddpx.lightning.fault_tolerance_setup import (
     follow_rank,
 )
 from lightning_ddpx.lightning.options import takes_ddpx_options
+from lightning_ddpx.lightning.popen_launcher import PopenLauncher
 from lightning_ddpx.lightning.process_exit import destroy_process_group_at_exit
 from lightning_ddpx.lightning.replica_verification import ReplicaVerifier
 from lightning_ddpx.lightning.uneven import StepQueue
@@ -194,7 +195,12 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         if self._fault is None:
-            return super()._configure_launcher()
+            if self._start_method != "popen":
+                return super()._configure_launcher()
+            assert self.cluster_environment is not None
+            # Lightning's, naming a lost process before anything is killed (lightning/popen_launcher.py)
+            self._launcher = PopenLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            return
         if self.num_nodes > 1 and not in_training_process():
             raise ValueError(
                 "DDPXStrategy: with fault_tolerance on several machines, start the script with "
