@@ -69,6 +69,7 @@ from lightning_ddpx.lightning.options import takes_ddpx_options
 from lightning_ddpx.lightning.popen_launcher import PopenLauncher
 from lightning_ddpx.lightning.process_exit import destroy_process_group_at_exit
 from lightning_ddpx.lightning.replica_verification import ReplicaVerifier
+from lightning_ddpx.lightning.restart_rendezvous import create_default_group
 from lightning_ddpx.lightning.uneven import StepQueue
 
 __all__ = ["UNUSED_PARAMETERS_HINT", "DDPXStrategy"]
@@ -230,7 +231,12 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         """With fault_tolerance, a training process joins the run (its group is the membership's); the
         launching process, after fit, is a world of one."""
         if self._fault is None:
-            return super().setup_distributed()
+            self.set_world_ranks()
+            # torchrun shares its store across restarts: this round's keys only (lightning.restart_rendezvous)
+            create_default_group(
+                self.cluster_environment, self._get_process_group_backend(), self._timeout, self.root_device
+            )
+            return super().setup_distributed()  # Lightning's creation, when that created none
         if not in_training_process():
             self.set_world_ranks()
             return
