@@ -15,10 +15,10 @@ seconds later); ``raise`` makes it raise a communication failure inside
 the step without dying (the fail-at injection: every member discards the step, nobody is lost);
 ``hang`` keeps it alive but stuck after its backward, never voting;
 ``FAULT_JOB_OWN_BATCHES=1`` makes the loop take its batches from its own counter instead (one per attempt,
-a discarded one skipped, as a loop over a data loader would; ``ft.skip_step_after_failure()`` before each
-step), all-reduce a metric between steps through ``ft.outside_step``, and append ``step batch`` after each
-committed step to ``OUT_DIR/<uid>.batches``; ``between`` then makes that metric's all-reduce after that
-step fail on that process alone (issued first: the others' succeeds).
+a discarded one skipped, as a loop over a data loader would), all-reduce a metric between steps through
+``ft.outside_step``, and append ``step batch metric`` after each committed step to ``OUT_DIR/<uid>.batches``;
+``between`` then makes that metric's all-reduce after that step fail on that process alone (issued first:
+the others' succeeds).
 ``collective`` makes its second all-reduce of that step (a bucket's, mid-backward) fail on it alone (the
 others' collectives all succeed); ``unissued`` makes it raise there instead of issuing that all-reduce (a
 local error inside a hook, between two of its collectives); ``sync``
@@ -106,18 +106,21 @@ def fail_at_a_collective(ft: FaultTolerance, step: int, me: str, injected: list,
     dist.ProcessGroup.allreduce = failing_allreduce
 
 
-def metric_between_steps(ft: FaultTolerance, me: str, fail: bool, at_step: int) -> None:
-    """An all-reduce between steps, through ``ft.outside_step`` (as a logged metric's would be); with ``fail``
-    at committed step ``at_step`` it fails on this process alone, after it was issued."""
-    value = torch.ones(1)
+def metric_between_steps(ft: FaultTolerance, me: str, fail: bool, at_step: int) -> float:
+    """An all-reduce between steps of a rank-dependent value, through ``ft.outside_step`` (as a logged
+    metric's would be); with ``fail`` at committed step ``at_step`` it fails on this process alone, once,
+    after it was issued. Returns what this process got."""
+    failed = []
 
     def reduce() -> torch.Tensor:
+        value = torch.tensor([float(ft.rank + 1)])
         dist.all_reduce(value)
-        if fail and ft.steps_committed == at_step:
+        if fail and ft.steps_committed == at_step and not failed:
+            failed.append(True)
             raise CommunicationError(f"injected failure between steps in process {me}")
         return value
 
-    ft.outside_step(reduce, lambda: value)
+    return float(ft.outside_step(reduce, lambda: torch.zeros(1)))
 
 
 def main() -> None:
@@ -191,8 +194,6 @@ def main() -> None:
         while ft.steps_committed < steps:
             maybe_die("boundary")
             batch_index += 1
-            if own_batches and ft.skip_step_after_failure():
-                continue  # the others discard this batch's step: skip the same batch
             with ft.step() as outcome:
                 x, y = batch(batch_index if own_batches else ft.steps_committed, ft.rank, ft.world_size)
                 optimizer.zero_grad()
@@ -229,11 +230,11 @@ def main() -> None:
                 if checkpoint and every and ft.steps_committed % every == 0:
                     ft.save_checkpoint(checkpoint)
                 if own_batches:
-                    with open(os.path.join(out_dir, f"{me}.batches"), "a") as batches:
-                        print(ft.steps_committed, batch_index, file=batches)
-                    metric_between_steps(
+                    metric = metric_between_steps(
                         ft, me, kill_point == "between" and me == kill_uid, int(kill_step or -1)
                     )
+                    with open(os.path.join(out_dir, f"{me}.batches"), "a") as batches:
+                        print(ft.steps_committed, batch_index, metric, file=batches)
     print(f"{me} done: {ft.stats}", flush=True)
     with open(os.path.join(out_dir, f"{me}.metrics.json"), "w") as metrics:  # what a logger would get
         json.dump(ft.stats.metrics(), metrics, sort_keys=True)

@@ -145,23 +145,24 @@ def test_a_local_error_between_two_collectives_of_a_hook_costs_only_its_own_proc
     assert {row[2] for row in logs["00000"][4:]} == {2}
 
 
-def test_a_loop_over_its_own_batches_skips_the_same_batch_after_a_one_member_failure_between_steps(tmp_path):
+def test_a_collective_between_steps_failing_on_one_member_is_run_again_by_every_member(tmp_path):
     """A loop that takes one batch per attempt from its own counter (as over a data loader) and all-reduces a
-    metric between steps. After step 4 that all-reduce fails on process 00001 alone: only it knows its group
-    failed. With ``ft.skip_step_after_failure()`` before each step, every member skips the same batch (the
-    others cannot complete its step without 00001) and each committed step trained the same batch on every
-    member; without it, 00001 would train that batch while the others train the next one, paired."""
+    rank-dependent metric between steps. After step 4 that all-reduce fails on process 00001 alone (the
+    others' succeeded): the vote on it makes every member regroup at once and run it again, so every member
+    gets the same value, no batch is skipped, and each committed step trained the same batch everywhere."""
     done, _ = run_fault_job(tmp_path, kill="00001:4:between", FAULT_JOB_OWN_BATCHES="1")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "injected failure between steps in process 00001" in done.stderr
-    assert "step 4 skipped on every member of generation 1" in done.stderr
+    assert done.stderr.count("every member regroups now and runs it again") == 3
+    assert "discarded" not in done.stderr and "no peer answered" not in done.stderr
     batches = {
-        path.stem: [tuple(map(int, line.split())) for line in path.read_text().splitlines()]
+        path.stem: [tuple(line.split()) for line in path.read_text().splitlines()]
         for path in sorted((tmp_path / "logs").glob("*.batches"))
     }
     assert set(batches) == {"00000", "00001", "00002"}
-    assert batches["00000"] == batches["00001"] == batches["00002"], "members trained different batches"
-    assert [b for _, b in batches["00000"]] == [0, 1, 2, 3, *range(5, STEPS + 1)]  # batch 4 skipped by all
+    assert batches["00000"] == batches["00001"] == batches["00002"], "members trained or reduced apart"
+    assert [int(b) for _, b, _ in batches["00000"]] == list(range(STEPS))  # no batch skipped
+    assert {float(m) for _, _, m in batches["00000"]} == {6.0}  # 1 + 2 + 3: over every member, each time
 
 
 @pytest.mark.parametrize(

@@ -169,8 +169,6 @@ class FaultTolerance:
         self._attempt = 0  # step attempts in this generation (the vote's key)
         self._agreements = 0  # agree() calls in this generation (the agreements' keys)
         self._pending: str | None = None  # why the membership must change at the next boundary
-        # a collective between steps failed here, which the others may not know: see skip_step_after_failure
-        self._failed_between_steps = False
         self._admission_waiting = False  # a committed step saw joiners waiting: admit them when allowed
         self._skip_transfer = False  # the next heal only verifies (this process's state is already there)
         self._stepping = False  # inside step(): collectives' failures are the step's
@@ -379,74 +377,71 @@ class FaultTolerance:
             elif decision == COMMIT_AND_ADMIT and admit:
                 self._admission_waiting = True
             else:
-                self._failed_between_steps = False  # every member is here, in one generation: no step lost
                 return
 
     def prepare_step(self) -> None:
         """Apply a membership change decided since the last step now, before a step whose work begins
         before :meth:`step` (the Trainer's gradient accumulation: micro-batches that accumulate locally,
         then one that synchronises inside ``step()``), so that all of it runs in the new group. Every
-        member calls it at the same point. Newcomers are not admitted here. Nothing happens on a member
-        whose collective between steps failed: it skips that step (:meth:`skip_step_after_failure`), and
-        the others, who cannot complete it, regroup with it before the next."""
-        if not self._failed_between_steps:
-            self._at_boundary(admit=False)
-
-    def skip_step_after_failure(self) -> bool:
-        """For a loop that keys each step's data on its own batch counter (the Lightning Trainer's), called
-        before each step: whether this member must skip the batch it is about to train, as the others will.
-
-        A collective between steps failed on this member -- perhaps on this member alone: a peer lost during
-        an all-reduce can leave another survivor with the whole result. The others then start the next step
-        on their old group, cannot complete it without this member, and discard it. This member votes
-        ``abort`` for that same step and skips the same batch; every member then regroups at the start of
-        the next step, together (a collective of the loop's own between the two, Lightning's per-batch
-        broadcast, finds every member's group released alike). Running the batch instead, in a new group,
-        would pair it with the others' next one: a global step behind them from then on, and stuck in a
-        collective at the epoch's end. A loop keyed on :attr:`steps_committed` needs none of this
-        (:meth:`step` retries the same step on every member)."""
-        if not self._failed_between_steps:
-            return False
-        self._failed_between_steps = False
-        self._attempt += 1
-        self._vote(ok=False)  # the step the others start now: abort, whatever they vote
-        self.stats.failures += 1
-        self._failed_at = self._failed_at or time.monotonic()
-        self._note(
-            f"step {self.steps_committed} skipped on every member of generation {self.generation.number} "
-            f"({self._pending}); the membership changes at the next step"
-        )
-        return True
+        member calls it at the same point. Newcomers are not admitted here."""
+        self._at_boundary(admit=False)
 
     @property
     def in_sync(self) -> bool:
-        """Whether a collective outside a step may run now: the group is whole (no failure since the last
-        boundary) and this process's replica has been verified equal to the others' (a newcomer's has not,
-        before its first boundary, and nor has anyone's before the run's first)."""
-        return self._pending is None and not self._heal_due and dist.is_initialized()
+        """Whether a collective outside a step runs now (:meth:`outside_step`): this process's replica has
+        been verified equal to the others' (a newcomer's has not, before its first boundary, and nor has
+        anyone's before the run's first)."""
+        return not self._heal_due and dist.is_initialized()
 
-    def outside_step(self, run: Callable[[], _Result], fallback: Callable[[], _Result]) -> _Result:
-        """``run()``, a collective between steps (a Lightning barrier, a logged metric's reduction, a
-        checkpoint's broadcast), or ``fallback()`` -- this process's own answer -- when it cannot run: the
-        group failed since the last boundary, or this process is not in step with the others yet (see
-        :attr:`in_sync`). A communication failure in ``run()`` is not raised: the group is released, the
-        membership changes at the next boundary, and ``fallback()`` answers."""
+    def outside_step(
+        self, run: Callable[[], _Result], fallback: Callable[[], _Result], retry: bool = True
+    ) -> _Result:
+        """``run()``, a collective between steps (a logged metric's reduction, a checkpoint's broadcast, a
+        torchmetrics sync), with one answer on every member. Every member calls it at the same points.
+
+        Each call is voted on, as a step is: a member lost during the collective can leave one survivor with
+        the whole result and another with an error, and a value that differs between the members (each one's
+        own ``val_loss``) would split what it decides (a ``ReduceLROnPlateau``, a checkpoint's top-k). When any
+        member's collective failed, every member regroups at once over the members present and, with
+        ``retry`` (the default), runs ``run()`` again there: the answer is the survivors' reduction, the same
+        on every member. Without ``retry`` (work that must not run twice: a micro-batch's forward)
+        ``fallback()`` answers on every member instead. ``fallback()`` also answers, with no collective,
+        before this process's replica was first verified equal to the others' (a newcomer before its first
+        boundary, or anyone before the run's first). A membership change still pending from a failed step is
+        applied first, so the collective runs over the members present."""
         if self._stepping:
             return run()  # inside a step: a failure is the step's, voted on by step()
         if not self.in_sync:
             return fallback()
-        try:
-            return run()
-        except Exception as error:  # noqa: BLE001 - only communication failures fall back; others re-raised
-            if not _is_communication_failure(error):
-                raise
-            self._pending = f"a collective between steps failed ({_first_line(error)})"
-            self._failed_between_steps = True
-            _forget_frames(error)
-            del error
-            self._note(f"{self._pending}; the membership changes at the next boundary")
-            self._release_group()
-            return fallback()
+        while True:
+            self._at_boundary(admit=False)  # a failed step's regroup, before the collective
+            error = None
+            try:
+                result = run()
+            except Exception as failure:  # noqa: BLE001 - only communication failures are voted on
+                error = self._failure_to_vote(failure)
+                if error is None:
+                    raise
+                del failure
+                self._release_group()
+            self._attempt += 1
+            decision = self._vote(error is None)
+            if decision != ABORT:
+                self._recovered()
+                self._admission_waiting = self._admission_waiting or decision == COMMIT_AND_ADMIT
+                return result
+            if error is None:
+                self._release_group()
+            self._failed_at = self._failed_at or time.monotonic()
+            cause = error if error is not None else _ANOTHER_ABORTED
+            self._pending = f"a collective between steps failed ({cause})"
+            self._note(
+                f"{self._pending}; every member regroups now"
+                + (" and runs it again" if retry else ", each with its own answer to it")
+            )
+            if not retry:
+                self._at_boundary(admit=False)
+                return fallback()
 
     def agree(self, decision: bool) -> bool:
         """``decision``, taken between steps from a collective that may have failed on some members and not
@@ -664,6 +659,11 @@ class FaultTolerance:
         among = None
         if self.model.parameter_averaging is not None:
             among = [self._source_rank()] + [generation.rank_of(uid) for uid in generation.newcomers]
+        if self.model.broadcast_buffers:
+            # Buffers a forward updates (BatchNorm's running statistics) differ between the members after
+            # every step, as under torch's DDP, until the next forward broadcasts one rank's: do it now,
+            # from the peer the newcomers copied, so that the check below compares what will train.
+            self.model.synced_buffers.broadcast(dist.group.WORLD, self._source_rank())
         self.model.verify_replicas(buffers=True, what="after a newcomer was healed", among=among)
         shared = _named_tensors("the hook's shared state", self.hook_state_dict())
         if shared:

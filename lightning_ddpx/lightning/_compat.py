@@ -222,22 +222,72 @@ def discard_closure_result(closure: Any) -> None:
         closure._result = ClosureResult(closure_loss=None)
 
 
-def parse_num_batches(length: Any, limit: Any) -> Any:
-    """How many training batches an epoch takes from a loader of ``length`` under ``limit_train_batches``, as
-    the fit loop computes it when it builds its loader (recomputed when the membership reshards). >= 2.0."""
+def parse_num_batches(length: Any, limit: Any, validation: bool = False) -> Any:
+    """How many batches an epoch takes from a loader of ``length`` under ``limit_train_batches`` (or
+    ``limit_val_batches``), as the fit loop (the validation loop) computes it when it builds its loader
+    (recomputed when the membership reshards). >= 2.0."""
     from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
     from lightning.pytorch.trainer.states import RunningStage
 
-    return _parse_num_batches(RunningStage.TRAINING, length, limit)
+    stage = RunningStage.VALIDATING if validation else RunningStage.TRAINING
+    return _parse_num_batches(stage, length, limit)
+
+
+def combined_length(combined: Any, limits: list[Any]) -> Any:
+    """How many batches ``combined`` (a CombinedLoader) gives once its iterator is built with ``limits``,
+    by its mode's rule (its ``len()`` answers for the iterator built last, before new limits). >= 2.0;
+    checked on 2.6.6."""
+    lengths = [min(len(loader), limit) for loader, limit in zip(combined.flattened, limits)]
+    mode = getattr(combined, "_mode", "max_size_cycle")
+    if mode == "sequential":
+        return sum(lengths)
+    return min(lengths) if mode == "min_size" else max(lengths)
+
+
+def metric_is_synced(metric: Any) -> bool:
+    """Whether a torchmetrics ``Metric`` holds synced states (``unsync()`` refuses one that does not).
+    torchmetrics >= 0.8; checked on 1.x."""
+    return bool(getattr(metric, "_is_synced", False))
+
+
+def set_training_batches(trainer: Any, batches: Any) -> None:
+    """The fit loop's batches per epoch, and the batch at which a fractional ``val_check_interval``
+    validates, as the fit loop's ``setup_data`` derives it from them (an int interval or an unsized loader
+    is left as it is). >= 2.0; checked on 2.6.6."""
+    trainer.fit_loop.max_batches = batches
+    interval = trainer.val_check_interval
+    if isinstance(interval, float) and isinstance(batches, int) and trainer.val_check_batch is not None:
+        if getattr(trainer, "_val_check_time_interval", None) is None:
+            trainer.val_check_batch = max(1, int(batches * interval))
+
+
+def validation_loaders(trainer: Any) -> list[Any]:
+    """The validation loop's loaders during fit (empty before it built them). >= 2.0; checked on 2.6.6."""
+    combined = getattr(trainer.fit_loop.epoch_loop.val_loop, "_combined_loader", None)
+    return list(combined.flattened) if combined is not None else []
+
+
+def set_validation_batches(trainer: Any, counts: list[Any]) -> None:
+    """The validation loop's batches per loader (it sets the loaders' limits from them right after it sets
+    their samplers' epoch). >= 2.0; checked on 2.6.6."""
+    trainer.fit_loop.epoch_loop.val_loop._max_batches = list(counts)
 
 
 class ContinuingCSVWriter(ExperimentWriter):
     """Lightning's CSV experiment writer, minus its start-up check (``_check_log_dir_exists``), which deletes
     an existing ``metrics.csv``: a fault-tolerant run's new rank 0 continues the file the lost one wrote.
-    Its columns start as the file's, so appended rows line up (new ones rewrite the header, as usual).
-    >= 2.0; checked on 2.6.6."""
+    Before each save its columns take in the file's header as it is then (another process, rank 0 until it
+    was lost, may have added columns since this writer started), so appended rows line up and a rewrite
+    for new columns keeps every column and row already there. >= 2.0; checked on 2.6.6."""
 
     def _check_log_dir_exists(self) -> None:
+        self._adopt_file_columns()
+
+    def _record_new_keys(self) -> set[str]:
+        self._adopt_file_columns()
+        return super()._record_new_keys()
+
+    def _adopt_file_columns(self) -> None:
         if self._fs.isfile(self.metrics_file_path):
             with self._fs.open(self.metrics_file_path, "r", newline="") as file:
                 header = file.readline().strip()

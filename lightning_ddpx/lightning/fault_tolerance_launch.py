@@ -44,6 +44,7 @@ __all__ = [
     "FabricFaultTolerantLauncher",
     "FaultTolerantEnvironment",
     "FaultTolerantLauncher",
+    "contain_logger_failures",
     "continue_loggers",
     "in_training_process",
     "join_run",
@@ -254,6 +255,44 @@ def continue_loggers(trainer: Any, versions: list[Any]) -> None:
         lightning_compat.pin_logger(logger, version)
         if isinstance(logger, CSVLogger):
             lightning_compat.pin_logger(logger, version, lightning_compat.ContinuingCSVWriter(logger.log_dir))
+
+
+_LOGGER_CALLS = ("log_metrics", "log_hyperparams", "log_graph", "save", "finalize", "after_save_checkpoint")
+
+
+def contain_logger_failures(trainer: Any) -> None:
+    """A logger that raises in a fault-tolerant run's training process (a full disk, a file another rank 0
+    left behind, a tracking server away) costs its own records, never the run: each failing call is
+    reported once per logger and call, at WARNING, with the error, and training goes on."""
+    for logger in trainer.loggers:
+        for name in _LOGGER_CALLS:
+            call = getattr(logger, name, None)
+            if callable(call) and not getattr(call, "ddpx_contained", False):
+                setattr(logger, name, _contained(logger, name, call))
+
+
+def _contained(logger: Any, name: str, call: Callable[..., Any]) -> Callable[..., Any]:
+    reported = False
+
+    def contained(*args: Any, **kwargs: Any) -> Any:
+        nonlocal reported
+        try:
+            return call(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - a logger's failure must not end the run
+            if not reported:
+                reported = True
+                log.warning(
+                    "lightning_ddpx fault tolerance: %s.%s failed (%s: %s); training goes on without these "
+                    "records (reported once).",
+                    type(logger).__name__,
+                    name,
+                    type(error).__name__,
+                    error,
+                )
+            return None
+
+    contained.ddpx_contained = True  # type: ignore[attr-defined]
+    return contained
 
 
 def _end_training_process() -> None:

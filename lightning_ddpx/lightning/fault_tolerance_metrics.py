@@ -5,10 +5,10 @@ strategy, so without this a member lost during validation made every survivor's 
 and the run ended. :class:`MetricSyncGuard` routes each metric's ``sync`` through the fault tolerance's
 between-steps rule, as the strategy's own ``reduce``/``all_gather`` are routed:
 
-- between steps, a sync that fails (or comes after a failure, before the next boundary) leaves the metric
-  unsynced: ``compute()`` gives this process's own share's value for that epoch, and the membership changes
-  at the next boundary. torchmetrics gathers every state before it writes any, so a metric is never half
-  synced (some states over every member, others this process's own);
+- between steps, a sync that fails on any member is run again by every member over the members present
+  (the fault tolerance's between-steps rule): ``compute()`` gives the survivors' value, the same on every
+  member. torchmetrics gathers every state before it writes any, so a failed sync leaves the metric
+  unsynced; a member whose sync succeeded while another's failed unsyncs it before the second attempt;
 - inside a step (``dist_sync_on_step=True``) a failure is the step's, voted on and discarded like any other.
 
 The guard is put on the metrics of the module at set-up and taken off at teardown, leaving the metrics as
@@ -20,6 +20,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from torch import nn
+
+from lightning_ddpx.lightning import _compat as lightning_compat
 
 __all__ = ["MetricSyncGuard"]
 
@@ -42,7 +44,7 @@ class MetricSyncGuard:
         added = 0
         for metric in module.modules():
             if isinstance(metric, Metric) and not any(metric is known for known in self._guarded):
-                metric.sync = self._fault_tolerant(metric.sync)  # an instance attribute over the method
+                metric.sync = self._fault_tolerant(metric)  # an instance attribute over the method
                 self._guarded.append(metric)
                 added += 1
         return added
@@ -53,10 +55,15 @@ class MetricSyncGuard:
             metric.__dict__.pop("sync", None)
         self._guarded = []
 
-    def _fault_tolerant(self, sync: Callable[..., None]) -> Callable[..., None]:
-        between_steps = self._between_steps
+    def _fault_tolerant(self, metric: Any) -> Callable[..., None]:
+        between_steps, sync = self._between_steps, metric.sync
 
         def fault_tolerant_sync(*args: Any, **kwargs: Any) -> None:
-            between_steps(lambda: sync(*args, **kwargs), lambda: None)  # fallback: left unsynced
+            def attempt() -> None:
+                # run again after another member's sync failed: this member's first one may have succeeded
+                metric.unsync(should_unsync=lightning_compat.metric_is_synced(metric))
+                sync(*args, **kwargs)
+
+            between_steps(attempt, lambda: None)  # fallback (a newcomer not healed yet): left unsynced
 
         return fault_tolerant_sync

@@ -51,11 +51,16 @@ from lightning_ddpx.fault.manager import (
     FaultTolerance,
     check_post_local_sgd_options,
 )
-from lightning_ddpx.fault.membership import Generation
+from lightning_ddpx.fault.membership import FaultToleranceError, Generation
 from lightning_ddpx.fault.options import FaultToleranceOptions
 from lightning_ddpx.lightning import _compat as lightning_compat
-from lightning_ddpx.lightning.fault_tolerance_launch import continue_loggers, join_run
+from lightning_ddpx.lightning.fault_tolerance_launch import (
+    contain_logger_failures,
+    continue_loggers,
+    join_run,
+)
 from lightning_ddpx.lightning.fault_tolerance_metrics import MetricSyncGuard
+from lightning_ddpx.lightning.fault_tolerance_state import state_digests
 
 if TYPE_CHECKING:
     from lightning_ddpx.lightning.config import DDPXConfig
@@ -124,12 +129,16 @@ class TrainerFaultTolerance:
         self.options = options
         self.fault: Optional[FaultTolerance] = None  # in a training process, once it joined the run
         self.trainer: Any = None
-        self._samplers: list[DistributedSampler] = []
+        self._samplers: list[DistributedSampler] = []  # the training loaders'
+        self._validation_samplers: list[DistributedSampler] = []
+        self._validation_sharded_for: Optional[tuple[int, int]] = None
         self._boundary_epoch: Optional[int] = None  # the epoch whose start the members last passed
         self._sharded_for: Optional[tuple[int, int]] = None  # (world size, rank) the samplers were built for
         self._restored = False  # a newcomer's checkpoint was handed to its fit
         self._logged: dict[str, float] = {}
         self._step_begun = False  # an optimizer step's first batch began, its optimizer step has not run
+        self._healed = 0  # newcomers healed so far, as this process counted them
+        self._state_check_due = False  # a heal happened: compare the whole state after the next step
         self.metrics = MetricSyncGuard(self.between_steps)  # torchmetrics' own syncs, at set-up
 
     # ------------------------------------------------------------------------------------------ join
@@ -153,6 +162,7 @@ class TrainerFaultTolerance:
     def _pin_logger_versions(self, fault: FaultTolerance) -> None:
         """Every process logs into the first rank 0's logger versions: after it is lost, the new rank 0
         appends to the same directory instead of starting another."""
+        contain_logger_failures(self.trainer)
         loggers = lightning_compat.versioned_loggers(self.trainer)
         if not loggers:
             return
@@ -214,6 +224,9 @@ class TrainerFaultTolerance:
             return
         self._boundary_epoch = trainer.current_epoch
         fault.boundary(admit=True)
+        if fault.stats.newcomers_healed != self._healed:
+            self._healed = fault.stats.newcomers_healed
+            self._state_check_due = True
         self._reshard(fault)
         self._check_equal_batches()
         self.log_membership(force=True)
@@ -239,13 +252,15 @@ class TrainerFaultTolerance:
             )
 
     def _reshard(self, fault: FaultTolerance) -> None:
+        """The training samplers over the members present, and the epoch's batch count (and the batch at
+        which a fractional ``val_check_interval`` validates) recomputed from them, as Lightning computes
+        both when it builds the loader."""
         shard = (fault.world_size, fault.rank)
         if shard == self._sharded_for:
             return
         self._sharded_for = shard
         for sampler in self._samplers:
             _shard(sampler, *shard)
-        loop = self.trainer.fit_loop
         combined = lightning_compat.train_combined_loader(self.trainer)
         if combined is not None and self._samplers:
             limits = [
@@ -253,7 +268,44 @@ class TrainerFaultTolerance:
                 for loader in combined.flattened
             ]
             combined.limits = limits
-            loop.max_batches = len(combined)
+            lightning_compat.set_training_batches(
+                self.trainer, lightning_compat.combined_length(combined, limits)
+            )
+
+    def watch_validation_samplers(self, dataloader: Any) -> None:
+        """Follow a validation loader's ``DistributedSampler``: the validation loop sets its epoch at each
+        validation's start, where it is resharded over the members present (and the loop's batch count with
+        it), so that every validation covers its data once over them."""
+        for sampler in _distributed_samplers(dataloader):
+            if any(sampler is known for known in self._validation_samplers):
+                continue
+            self._validation_samplers.append(sampler)
+            set_epoch = sampler.set_epoch
+
+            def set_epoch_resharded(epoch: int, _set_epoch: Callable[[int], None] = set_epoch) -> None:
+                self._reshard_validation()
+                _set_epoch(epoch)
+
+            sampler.set_epoch = set_epoch_resharded  # type: ignore[method-assign]
+        self._validation_sharded_for = None
+
+    def _reshard_validation(self) -> None:
+        fault, trainer = self.fault, self.trainer
+        if fault is None or trainer is None:
+            return
+        shard = (fault.world_size, fault.rank)
+        if shard == self._validation_sharded_for:
+            return
+        self._validation_sharded_for = shard
+        for sampler in self._validation_samplers:
+            _shard(sampler, *shard)
+        loaders = lightning_compat.validation_loaders(trainer)
+        if loaders:
+            counts = [
+                lightning_compat.parse_num_batches(len(loader), trainer.limit_val_batches, validation=True)
+                for loader in loaders
+            ]
+            lightning_compat.set_validation_batches(trainer, counts)
 
     # ----------------------------------------------------------------------------------- the steps
     def begin_batch(self) -> None:
@@ -267,18 +319,17 @@ class TrainerFaultTolerance:
 
     def accumulating_step(self, run: Callable[[], Any], device: torch.device) -> Any:
         """A micro-batch's ``training_step`` that accumulates locally (gradient accumulation): between steps
-        for the fault tolerance. Skipped once a collective failed on this member since the last step, whose
-        update every member then discards; a collective in it that fails (a buffer broadcast, a synced log)
-        makes it so (``outside_step`` answers with the fallback while a membership change is pending). A
-        skipped micro-batch returns a zero loss that reaches no parameter (Lightning refuses a ``None`` in
-        distributed training)."""
+        for the fault tolerance. When a collective in it fails on any member (a buffer broadcast, a synced
+        log), every member regroups and skips this micro-batch alike (it is not run twice): it returns a
+        zero loss that reaches no parameter (Lightning refuses a ``None`` in distributed training), and the
+        step's other micro-batches synchronise in the new group."""
         if self.fault is None:
             return run()
 
         def skipped() -> torch.Tensor:
             return torch.zeros((), device=device, requires_grad=True)
 
-        return self.fault.outside_step(run, skipped)
+        return self.fault.outside_step(run, skipped, retry=False)
 
     def optimizer_step(
         self,
@@ -293,8 +344,6 @@ class TrainerFaultTolerance:
         still wait for the next epoch's start."""
         assert self.fault is not None
         self._step_begun = False
-        if self.fault.skip_step_after_failure():  # the others cannot complete this step: all skip it
-            return self._discarded(closure, batch_idx, "a collective between steps failed on this member")
         with self.fault.step(admit=False) as outcome:
             loss = closure()
         if not outcome.committed:
@@ -303,6 +352,9 @@ class TrainerFaultTolerance:
         if self.fault.model is not None and self.fault.model.parameter_averaging is not None:
             optimizers = [lightning_compat.unwrapped_optimizer(o) for o in optimizers]
             self.fault.average_after_step(optimizers, admit=False)
+        if self._state_check_due:
+            self._state_check_due = False
+            self._verify_whole_state()
         self.log_membership(force=False)
         return result
 
@@ -317,6 +369,34 @@ class TrainerFaultTolerance:
             why,
         )
         self.log_membership(force=True)
+
+    def _verify_whole_state(self) -> None:
+        """After the first step that a healed newcomer trained: every member's whole training state -- what
+        a checkpoint holds: parameters, optimizers and their hyper-parameters, schedulers, loops, each
+        callback (:mod:`~lightning_ddpx.lightning.fault_tolerance_state`) -- the same, or a named error on
+        every member. The replica check at the heal covers parameters and buffers only; a scheduler or a
+        callback restored differently would split the members' later updates silently."""
+        assert self.fault is not None
+        module = self.trainer.lightning_module
+        digests = state_digests(
+            lightning_compat.dump_checkpoint(self.trainer), (name for name, _ in module.named_parameters())
+        )
+        gathered = self.between_steps(lambda: _gather_objects(digests), lambda: None)
+        if gathered is None:
+            return
+        differing = {
+            name: [found.get(name) for found in gathered]
+            for name in digests
+            if len({found.get(name) for found in gathered}) > 1
+        }
+        if differing:
+            pieces = "; ".join(f"{name}: digests by rank {by_rank}" for name, by_rank in differing.items())
+            raise FaultToleranceError(
+                f"lightning_ddpx fault tolerance: after newcomers were healed, the members' training state "
+                f"differs ({pieces}); a piece of state was not handed on or restored alike. Please report it "
+                "with the callbacks and schedulers this run uses."
+            )
+        self.fault.stats.events.append("whole training state verified equal on every member after a heal")
 
     def log_membership(self, force: bool) -> None:
         """The membership figures (``fault_tolerance/world_size``, ``failures``, ``last_recovery_s``, ...) to
@@ -356,6 +436,12 @@ def follow_rank(rank: int) -> None:
     """Lightning's ``rank_zero_only`` (its loggers', progress bar's and warnings' gate) at ``rank``: the
     membership's rank of this process, which changes when the membership does."""
     rank_zero_only.rank = fabric_rank_zero_only.rank = rank
+
+
+def _gather_objects(value: Any) -> list[Any]:
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 def _distributed_samplers(dataloader: Any) -> list[DistributedSampler]:

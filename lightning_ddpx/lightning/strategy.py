@@ -391,10 +391,13 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         dataloader = super().process_dataloader(dataloader)
         module = self.lightning_module
         trainer = lightning_compat.trainer_of(module) if module is not None else None
-        if trainer is None or trainer.state.stage != RunningStage.TRAINING:
+        if trainer is not None and self._fault is not None:  # sharded by the membership, resharded with it
+            if trainer.state.stage == RunningStage.TRAINING:
+                self._fault.watch_samplers(dataloader)
+            elif trainer.state.stage in (RunningStage.VALIDATING, RunningStage.SANITY_CHECKING):
+                self._fault.watch_validation_samplers(dataloader)
             return dataloader
-        if self._fault is not None:  # sharded by the membership, resharded when it changes
-            self._fault.watch_samplers(dataloader)
+        if trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         return self.ddpx_config.wrap_training_loader(
             dataloader, dist.group.WORLD, self.root_device, self._uneven_steps, for_fabric=False
