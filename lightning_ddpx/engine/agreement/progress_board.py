@@ -238,9 +238,12 @@ class _Writer(threading.Thread):
 
 
 def _describe_record(rank: int, record: str | None, lost: str | None = None) -> str:
-    if lost is not None:
-        last = "nothing of this module" if record is None else record.split("|", 2)[2]
-        return f"rank {rank}: {last} (then it {lost})"
+    if lost is not None:  # its last record, periodic: it may have started more since
+        if record is None:
+            return f"rank {rank}: nothing of this module; then it {lost}"
+        _, stamp, what = record.split("|", 2)
+        age = max(0.0, time.time() - float(stamp))
+        return f"rank {rank}: {what} (recorded {age:.1f} s ago); then it {lost}"
     if record is None:
         return f"rank {rank}: no record (it has not started a collective of this module)"
     kind, stamp, what = record.split("|", 2)
