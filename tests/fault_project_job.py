@@ -13,7 +13,8 @@ gradient clipping; ``PROJECT_ACCUMULATE`` sets ``accumulate_grad_batches``.
 of the membership then SIGKILLs itself, once over the run, at ``train`` (its 3rd training batch of that
 epoch), ``validation`` (its 2nd validation batch), ``epoch_end`` (``on_train_epoch_end``) or ``save``
 (inside the epoch's top-k checkpoint save). ``PROJECT_DEVICES`` (3), ``PROJECT_EPOCHS`` (4),
-``PROJECT_REPLACEMENTS`` (1); at an epoch's end the members wait until a replacement that is due has
+``PROJECT_REPLACEMENTS`` (1); ``PROJECT_FAIL``: ``manual`` (manual optimisation, which fault tolerance
+refuses) or ``raise`` (every process raises a ValueError in epoch 1's second training batch); at an epoch's end the members wait until a replacement that is due has
 registered, so that it is admitted at the next epoch's start.
 
 What each training process writes to ``OUT_DIR``:
@@ -81,6 +82,8 @@ class Classifier(L.LightningModule):
         self.out = os.environ["PROJECT_OUT"]
         self.uid = os.environ.get("DDPX_FT_UID", "main")
         self.kills = [kill.split(":") for kill in os.environ.get("PROJECT_KILLS", "").split(",") if kill]
+        self.fail = os.environ.get("PROJECT_FAIL", "")
+        self.automatic_optimization = self.fail != "manual"
 
     # ---------------------------------------------------------------- kills, once each over the run
     def maybe_die(self, point: str, nth: int = 0) -> None:
@@ -102,6 +105,8 @@ class Classifier(L.LightningModule):
     # ---------------------------------------------------------------------------------- training
     def training_step(self, batch, batch_idx):
         self.maybe_die("train", nth=0 if batch_idx == 2 else 1)
+        if self.fail == "raise" and self.current_epoch == 1 and batch_idx == 1:
+            raise ValueError("the training code's own error, in every process (epoch 1, batch 1)")
         x, y, index = batch
         self._record("seen", f"train {self.current_epoch} {self.trainer.world_size} " + _indices(index))
         loss = nn.functional.cross_entropy(self.net(x), y)

@@ -174,3 +174,71 @@ def test_a_smaller_world_covers_each_epoch_with_accumulation(tmp_path):
     assert_project_run(out, main, stderr, epochs=3, expect_changed={0})
     steps_per_epoch = TRAIN_SAMPLES // 3 // 8 // 2
     assert main["global_step"] >= 2 * steps_per_epoch
+
+
+def run_failing_project(tmp_path: Path, **env: str):
+    out = tmp_path / "out"
+    out.mkdir(parents=True)
+    return out, run_job(
+        [sys.executable, JOB, str(out)],
+        timeout=120,
+        env=job_env(**{"PYTHONWARNINGS": "ignore", "DDPX_SHARED_MEMORY": "0", **env}),
+    )
+
+
+@pytest.mark.timeout(150)
+def test_what_the_users_process_can_check_is_refused_there_before_any_training_process_starts(tmp_path):
+    out, done = run_failing_project(tmp_path, PROJECT_FAIL="manual")
+    assert done.returncode != 0
+    assert "ValueError: DDPXStrategy: fault_tolerance supports automatic optimisation only" in done.stderr
+    assert "starting 3 process(es)" not in done.stderr, "training processes were started"
+    assert not list(out.glob("*.seen"))
+
+
+@pytest.mark.timeout(150)
+def test_an_error_every_training_process_raises_is_raised_by_fit_and_not_retried(tmp_path):
+    out, done = run_failing_project(tmp_path, PROJECT_FAIL="raise", PROJECT_EPOCHS="3")
+    assert done.returncode != 0
+    tail = done.stderr.strip().splitlines()[-12:]
+    assert any("ValueError: the training code's own error, in every process" in line for line in tail), tail
+    assert "raised in training process" in done.stderr
+    assert "not replaced (a replacement would raise it again)" in done.stderr
+    assert "started process 00003" not in done.stderr, "a replacement was started to raise it again"
+    assert "none returned the trained model" not in done.stderr
+
+
+@pytest.mark.timeout(150)
+def test_ctrl_c_on_the_users_process_says_it_was_interrupted_and_leaves_nothing(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    out = tmp_path / "out"
+    out.mkdir(parents=True)
+    env = job_env(PYTHONWARNINGS="ignore", DDPX_SHARED_MEMORY="0", PROJECT_EPOCHS="50")
+    with open(tmp_path / "stderr", "w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, JOB, str(out)],
+            env=env,
+            stderr=stderr,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        try:
+            deadline = time.monotonic() + 90
+            while not list(out.glob("*.state")) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert list(out.glob("*.state")), "training did not start"
+            process.send_signal(signal.SIGINT)
+            process.wait(timeout=60)
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+    text = (tmp_path / "stderr").read_text()
+    assert process.returncode != 0
+    assert "interrupted (Ctrl-C)" in text, text[-3000:]
+    assert "every process was lost" not in text
+    left = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes of the run left behind: {left}"

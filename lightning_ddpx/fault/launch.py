@@ -126,10 +126,14 @@ class Supervisor:
         world_size: int | None = None,
         node_rank: int | None = None,
         linger_s: float = LINGER_S,
+        not_replaced: Callable[[str], str | None] | None = None,
     ) -> None:
         """``port=0`` picks a free port (on node 0 only). ``env`` is added to each child's environment.
         ``log`` receives one line per event (a start, a loss, a replacement, a stop); by default, stderr.
         ``linger_s`` bounds how long node 0 waits for the other machines' processes (see :meth:`run`).
+        ``not_replaced(uid)``, asked when a child was lost: why a replacement would fail the same way (the
+        child reported an error of the training code's own, which a replacement would raise again), or
+        ``None`` to replace it while replacements are left.
         Raises ``ConnectionError``, naming the address, when node 0's store cannot be reached in
         :data:`CONNECT_TIMEOUT_S` seconds."""
         problem = _problem(command, nproc, replacements, port, world_size, node_rank, linger_s)
@@ -142,6 +146,7 @@ class Supervisor:
         self._hosting = not node_rank  # None (one machine) or 0: this supervisor hosts the store
         self._uid_prefix = f"n{node_rank}-" if node_rank is not None else ""
         self._replacements_left = replacements
+        self._not_replaced = not_replaced
         self._host = host
         self._env = dict(env or {})
         self._poll_interval_s = poll_interval_s
@@ -333,8 +338,12 @@ class Supervisor:
         if code > 0 and self._first_exit_code is None:
             self._first_exit_code = code
         self._log(f"{_LOG_PREFIX}process {uid} (pid {process.pid}) lost: {_reason(code)}")
+        why = None
         if self._replacements_left == 0 or self._store_lost:
             why = "the store is gone" if self._store_lost else "no replacement left"
+        elif self._not_replaced is not None:
+            why = self._not_replaced(uid)
+        if why is not None:
             self._log(f"{_LOG_PREFIX}{why}; {len(self._running)} process(es) go on")
             return
         self._replacements_left -= 1

@@ -23,15 +23,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
 import sys
 import tempfile
+import traceback
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.pytorch.loggers import CSVLogger
 from typing_extensions import override
 
+from lightning_ddpx.engine.agreement.errors import CommunicationError
 from lightning_ddpx.fault.launch import Supervisor
 from lightning_ddpx.fault.launch_env import ENV_UID
 from lightning_ddpx.fault.manager import FaultTolerance
@@ -40,6 +44,7 @@ from lightning_ddpx.fault.options import FaultToleranceOptions
 from lightning_ddpx.lightning import _compat as lightning_compat
 
 __all__ = [
+    "ENV_ERRORS",
     "ENV_RESULTS",
     "FabricFaultTolerantLauncher",
     "FaultTolerantEnvironment",
@@ -48,12 +53,14 @@ __all__ = [
     "continue_loggers",
     "in_training_process",
     "join_run",
+    "report_error",
     "write_results",
 ]
 
 log = logging.getLogger(__name__)
 
 ENV_RESULTS = "DDPX_FT_RESULTS"  # where the last rank 0 writes what fit() returns to the launching process
+ENV_ERRORS = "DDPX_FT_ERRORS"  # where a training process reports an error of the training code's own
 
 
 def in_training_process() -> bool:
@@ -130,10 +137,19 @@ def join_run(options: FaultToleranceOptions) -> FaultTolerance:
         raise  # not reached
 
 
-def supervise(num_processes: int, options: FaultToleranceOptions, env: dict[str, str]) -> int:
+def supervise(
+    num_processes: int,
+    options: FaultToleranceOptions,
+    env: dict[str, str],
+    not_replaced: Optional[Callable[[str], Optional[str]]] = None,
+) -> int:
     """Run this script's ``num_processes`` training processes under the supervisor; their exit code."""
     supervisor = Supervisor(
-        list(lightning_compat.script_command()), num_processes, replacements=options.replacements, env=env
+        list(lightning_compat.script_command()),
+        num_processes,
+        replacements=options.replacements,
+        env=env,
+        not_replaced=not_replaced,
     )
     return supervisor.run()
 
@@ -141,8 +157,15 @@ def supervise(num_processes: int, options: FaultToleranceOptions, env: dict[str,
 class FaultTolerantLauncher(lightning_compat.TrainerLauncher):
     """The Trainer's launcher with ``fault_tolerance`` (see the module's docstring)."""
 
-    def __init__(self, num_processes: int, options: FaultToleranceOptions) -> None:
-        self.num_processes, self.options = num_processes, options
+    def __init__(
+        self,
+        num_processes: int,
+        options: FaultToleranceOptions,
+        check: Optional[Callable[[Any], None]] = None,
+    ) -> None:
+        """``check(trainer)`` refuses, in the launching process, what the training processes would refuse
+        (manual optimisation, a backend other than gloo) before any of them starts."""
+        self.num_processes, self.options, self._check = num_processes, options, check
         self.trainer: Any = None  # the training process's Trainer, for the strategy's heal
         self._supervised = False
 
@@ -162,7 +185,11 @@ class FaultTolerantLauncher(lightning_compat.TrainerLauncher):
                     "on the trained weights."
                 )
             self.trainer = trainer
-            results = function(*args, **kwargs)
+            try:
+                results = function(*args, **kwargs)
+            except Exception as error:
+                report_error(error)  # the launching process raises it; a replacement would raise it again
+                raise
             if os.environ.get(ENV_RESULTS) and trainer.is_global_zero:
                 write_results(trainer, results, os.environ[ENV_RESULTS])
             _end_training_process()
@@ -174,16 +201,17 @@ class FaultTolerantLauncher(lightning_compat.TrainerLauncher):
                 "script again, up to its first fit); build a new script for another run."
             )
         self._supervised = True
+        if self._check is not None:
+            self._check(trainer)
         with tempfile.TemporaryDirectory(prefix="ddpx-ft-") as directory:
-            path = os.path.join(directory, "results.pt")
-            code = supervise(self.num_processes, self.options, {ENV_RESULTS: path})
+            path, errors = os.path.join(directory, "results.pt"), os.path.join(directory, "errors")
+            os.makedirs(errors)
+            env = {ENV_RESULTS: path, ENV_ERRORS: errors}
+            code = supervise(
+                self.num_processes, self.options, env, lambda uid: _why_not_replaced(errors, uid)
+            )
             if not os.path.exists(path):
-                ended = f" (exit code {code})" if code else ""  # 0: only a replacement that found no run left
-                raise FaultToleranceError(
-                    f"lightning_ddpx fault tolerance: the training processes ended{ended} and none returned the "
-                    "trained model: every process was lost, or more were lost than replacements and min_ranks "
-                    "allow. Their logs say why."
-                )
+                _raise_what_ended_the_run(code, errors)
             return _recover_results(trainer, path)
 
     @override
@@ -209,6 +237,86 @@ class FabricFaultTolerantLauncher(lightning_compat.FabricLauncher):
             return function(*args, **kwargs)
         code = supervise(self.num_processes, self.options, {})
         sys.exit(code)
+
+
+def report_error(error: BaseException) -> None:
+    """In a training process: write ``error`` (an error of the training code's own: not a lost peer) where
+    the launching process looks (``DDPX_FT_ERRORS``), so that it is not retried by a replacement and the
+    user's ``fit`` raises it. A communication failure is a loss, replaced as usual: not reported."""
+    directory, uid = os.environ.get(ENV_ERRORS), os.environ.get(ENV_UID)
+    if not directory or not uid or isinstance(error, (CommunicationError, dist.DistError)):
+        return
+    try:
+        pickled: Optional[bytes] = pickle.dumps(error)
+    except Exception:  # noqa: BLE001 - an exception that does not pickle is raised by its text
+        pickled = None
+    report = {
+        "uid": uid,
+        "type": f"{type(error).__module__}.{type(error).__qualname__}",
+        "message": str(error),
+        "traceback": "".join(traceback.format_exception(error)),
+        "pickled": pickled,
+    }
+    target = os.path.join(directory, f"{uid}.error")
+    with contextlib.suppress(OSError):
+        with open(f"{target}.partial", "wb") as file:
+            pickle.dump(report, file)
+        os.replace(f"{target}.partial", target)
+
+
+def _reports(directory: str) -> list[dict[str, Any]]:
+    found = []
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".error"):
+            with contextlib.suppress(Exception), open(os.path.join(directory, name), "rb") as file:
+                found.append(pickle.load(file))  # written by this run's own training processes
+    return found
+
+
+def _why_not_replaced(directory: str, uid: str) -> Optional[str]:
+    """A lost training process that reported an error of the training code's own is not replaced: the
+    replacement would run the same code on the same state and raise it again."""
+    for report in _reports(directory):
+        if report["uid"] == uid:
+            return (
+                f"process {uid} raised {report['type'].rsplit('.', 1)[-1]}: {report['message'][:200]}; not "
+                "replaced (a replacement would raise it again)"
+            )
+    return None
+
+
+def _raise_what_ended_the_run(code: int, directory: str) -> None:
+    """In the launching process, once the training processes ended without a result: raise what ended them
+    -- a Ctrl-C (KeyboardInterrupt, which Lightning reports as an interrupted fit), a SIGTERM, the first
+    error a training process reported (the exception itself, with that process named), or the losses."""
+    if code == 130:
+        log.warning(
+            "lightning_ddpx fault tolerance: interrupted (Ctrl-C): the training processes were stopped."
+        )
+        raise KeyboardInterrupt
+    if code == 143:
+        raise FaultToleranceError(
+            "lightning_ddpx fault tolerance: stopped by SIGTERM: the training processes were stopped."
+        )
+    reports = _reports(directory)
+    if reports:
+        first = reports[0]
+        note = f"raised in training process {first['uid']} of the fault-tolerant run; its traceback:\n"
+        try:
+            error = pickle.loads(first["pickled"]) if first["pickled"] is not None else None
+        except Exception:  # noqa: BLE001 - raised by its text below
+            error = None
+        if isinstance(error, BaseException):
+            if hasattr(error, "add_note"):
+                error.add_note(note + first["traceback"])
+            raise error
+        raise FaultToleranceError(f"{first['type']}: {first['message']}\n({note}{first['traceback']})")
+    ended = f" (exit code {code})" if code else ""  # 0: only a replacement that found no run left
+    raise FaultToleranceError(
+        f"lightning_ddpx fault tolerance: the training processes ended{ended} and none returned the trained "
+        "model: every process was lost, or more were lost than replacements and min_ranks allow. Their logs "
+        "say why."
+    )
 
 
 def write_results(trainer: Any, results: Any, path: str) -> None:

@@ -210,7 +210,11 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             )
         assert isinstance(self.cluster_environment, FaultTolerantEnvironment)
         self.cluster_environment.num_processes = self.num_processes
-        self._launcher = FaultTolerantLauncher(self.num_processes, self._fault.options)
+        self._launcher = FaultTolerantLauncher(
+            self.num_processes,
+            self._fault.options,
+            check=lambda trainer: check_trainer(trainer, self._get_process_group_backend()),
+        )
 
     @override
     def setup_environment(self) -> None:
