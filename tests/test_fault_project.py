@@ -160,20 +160,25 @@ def test_two_losses_in_training_and_in_a_save_with_two_replacements(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_a_smaller_world_covers_each_epoch_with_accumulation(tmp_path):
-    """Four processes, one lost in epoch 0's training and no replacement: from epoch 1 the three left cover
-    every sample once per epoch (the samplers and the loop's batch count follow the membership), with
-    gradient accumulation."""
+    """Four processes, one lost in epoch 0's training and rank 0 at epoch 1's very end, no replacement: epoch 1
+    (three processes) and epoch 2 (two) each cover every sample once (the samplers and the loop's batch
+    count follow the membership), with gradient accumulation."""
     out, main, stderr = run_project(
         tmp_path,
-        PROJECT_KILLS="rank2:train:0",
+        PROJECT_KILLS="rank2:train:0,rank0:epoch_end:1",
         PROJECT_DEVICES="4",
         PROJECT_REPLACEMENTS="0",
         PROJECT_ACCUMULATE="2",
         PROJECT_EPOCHS="3",
     )
     assert_project_run(out, main, stderr, epochs=3, expect_changed={0})
-    steps_per_epoch = TRAIN_SAMPLES // 3 // 8 // 2
-    assert main["global_step"] >= 2 * steps_per_epoch
+    assert len(list(out.glob("kill-*.done"))) == 2
+    sizes = {
+        line.split()[1]: line.split()[2]
+        for path in out.glob("*.seen")
+        for line in path.read_text().splitlines()
+    }
+    assert sizes["1"] == "3" and sizes["2"] == "2", sizes
 
 
 def run_failing_project(tmp_path: Path, **env: str):

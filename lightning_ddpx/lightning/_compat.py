@@ -244,6 +244,24 @@ def combined_length(combined: Any, limits: list[Any]) -> Any:
     return min(lengths) if mode == "min_size" else max(lengths)
 
 
+# ModelCheckpoint's own progress, not in its state_dict: when it last saved (it saves at most once per global
+# step), what, and whether a save waits for the validation. A Lightning resume starts every rank alike from the
+# defaults; a fault-tolerant newcomer must take the live peer's, or it saves (a collective) where they do not.
+_CHECKPOINT_PROGRESS = ("_last_global_step_saved", "_last_checkpoint_saved", "_defer_save_until_validation")
+
+
+def model_checkpoint_progress(callback: Any) -> dict[str, Any]:
+    """A ModelCheckpoint's progress that its ``state_dict`` leaves out. >= 2.0; checked on 2.6.6."""
+    return {name: getattr(callback, name) for name in _CHECKPOINT_PROGRESS if hasattr(callback, name)}
+
+
+def restore_model_checkpoint_progress(callback: Any, progress: dict[str, Any]) -> None:
+    """Adopt :func:`model_checkpoint_progress`'s output. >= 2.0; checked on 2.6.6."""
+    for name, value in progress.items():
+        if name in _CHECKPOINT_PROGRESS:
+            setattr(callback, name, value)
+
+
 def metric_is_synced(metric: Any) -> bool:
     """Whether a torchmetrics ``Metric`` holds synced states (``unsync()`` refuses one that does not).
     torchmetrics >= 0.8; checked on 1.x."""

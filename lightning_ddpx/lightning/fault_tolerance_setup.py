@@ -60,7 +60,7 @@ from lightning_ddpx.lightning.fault_tolerance_launch import (
     join_run,
 )
 from lightning_ddpx.lightning.fault_tolerance_metrics import MetricSyncGuard
-from lightning_ddpx.lightning.fault_tolerance_state import state_digests
+from lightning_ddpx.lightning.fault_tolerance_state import digest, state_digests
 
 if TYPE_CHECKING:
     from lightning_ddpx.lightning.config import DDPXConfig
@@ -76,6 +76,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "lightning_ddpx_fault_tolerance"  # the membership that saved a checkpoint, for the record
+_HANDED_ON_KEY = "lightning_ddpx_handed_on"  # what a newcomer takes beyond the checkpoint (see _handed_on)
 _LOGGER_VERSIONS_KEY = "ft/lightning/logger_versions"
 
 
@@ -176,14 +177,30 @@ class TrainerFaultTolerance:
     def _dump(self) -> dict[str, Any]:
         checkpoint = lightning_compat.dump_checkpoint(self.trainer)
         checkpoint[CHECKPOINT_KEY] = self.membership_record()
+        checkpoint[_HANDED_ON_KEY] = self._handed_on()
         return checkpoint
 
     def _load(self, checkpoint: dict[str, Any]) -> None:
         """A newcomer's fit restores this as from ``ckpt_path``. Sent again when a member was lost while the
         newcomer was healed: the members have not stepped since, and the replica check proves it."""
         if not self._restored:
+            handed_on = checkpoint.pop(_HANDED_ON_KEY, {})
+            for callback in self.trainer.checkpoint_callbacks:
+                if callback.state_key in handed_on:
+                    lightning_compat.restore_model_checkpoint_progress(
+                        callback, handed_on[callback.state_key]
+                    )
             lightning_compat.restore_on_fit(self.trainer, checkpoint)
             self._restored = True
+
+    def _handed_on(self) -> dict[str, Any]:
+        """What a newcomer must take beyond what a checkpoint holds: each ModelCheckpoint's own progress
+        (when it last saved). A resumed run starts every rank alike without it; a newcomer without it
+        would save, a collective, at a step where the members do not."""
+        return {
+            callback.state_key: lightning_compat.model_checkpoint_progress(callback)
+            for callback in self.trainer.checkpoint_callbacks
+        }
 
     def membership_record(self) -> dict[str, Any]:
         """What a checkpoint records: the generation and world size that saved it, and the hook's shared
@@ -381,6 +398,10 @@ class TrainerFaultTolerance:
         digests = state_digests(
             lightning_compat.dump_checkpoint(self.trainer), (name for name, _ in module.named_parameters())
         )
+        digests["handed on"] = digest(self._handed_on())
+        if self.fault.model is not None and self.fault.model.parameter_averaging is not None:
+            # DiLoCo, post-local SGD: each replica trains on its own between averages
+            digests.pop("parameters"), digests.pop("optimizer state")
         gathered = self.between_steps(lambda: _gather_objects(digests), lambda: None)
         if gathered is None:
             return

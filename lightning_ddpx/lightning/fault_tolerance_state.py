@@ -7,6 +7,9 @@ wait and best). :func:`state_digests` takes the dict ``trainer.save_checkpoint``
 digest for each of those pieces, so that the members can compare them after a newcomer was healed and
 name the piece that differs.
 
+With a hook that averages parameters (DiLoCo, post-local SGD) each replica trains on its own between
+averages, its parameters and optimizer state included: the caller leaves those two pieces out there.
+
 Left out, because they are per process by design or not carried by Lightning's own resume (and decide
 nothing later):
 
@@ -23,7 +26,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Iterable
 
-__all__ = ["state_digests"]
+__all__ = ["digest", "state_digests"]
 
 _EVALUATION_LOOPS = ("validate_loop", "test_loop", "predict_loop")
 # ModelCheckpoint's (and its subclasses'): its state has a best_model_score beside it
@@ -32,7 +35,8 @@ _PER_SAVE_FIELD, _CHECKPOINT_MARK = "current_score", "best_model_score"
 
 def state_digests(checkpoint: dict[str, Any], parameter_names: Iterable[str]) -> dict[str, str]:
     """A digest (12 hex digits) per piece of ``checkpoint`` (a Lightning checkpoint dict): ``parameters``
-    (the entries of ``state_dict`` named in ``parameter_names``), ``optimizers``, ``schedulers``,
+    (the entries of ``state_dict`` named in ``parameter_names``), ``optimizer state`` (moments, step
+    counts), ``optimizer hyper-parameters`` (each param group's learning rate, betas...), ``schedulers``,
     ``loops``, ``progress`` (epoch and global step), and one per callback, under its state key."""
     names = set(parameter_names)
     loops = {
@@ -43,9 +47,13 @@ def state_digests(checkpoint: dict[str, Any], parameter_names: Iterable[str]) ->
         loops["fit_loop"] = {
             key: value for key, value in fit_loop.items() if not key.startswith("epoch_loop.val_loop")
         }
+    optimizers = checkpoint.get("optimizer_states") or []
     pieces: dict[str, Any] = {
         "parameters": {key: value for key, value in checkpoint.get("state_dict", {}).items() if key in names},
-        "optimizers": checkpoint.get("optimizer_states"),
+        "optimizer state": [state.get("state") if isinstance(state, dict) else state for state in optimizers],
+        "optimizer hyper-parameters": [
+            state.get("param_groups") if isinstance(state, dict) else None for state in optimizers
+        ],
         "schedulers": checkpoint.get("lr_schedulers"),
         "loops": loops,
         "progress": (checkpoint.get("epoch"), checkpoint.get("global_step")),
@@ -54,13 +62,14 @@ def state_digests(checkpoint: dict[str, Any], parameter_names: Iterable[str]) ->
         if isinstance(state, dict) and _CHECKPOINT_MARK in state:
             state = {field: value for field, value in state.items() if field != _PER_SAVE_FIELD}
         pieces[key] = state
-    return {name: _digest(value) for name, value in pieces.items()}
+    return {name: digest(value) for name, value in pieces.items()}
 
 
-def _digest(value: Any) -> str:
-    digest = hashlib.sha256()
-    _feed(digest, value)
-    return digest.hexdigest()[:12]
+def digest(value: Any) -> str:
+    """12 hex digits of a sha256 over ``value`` (nested dicts, lists, tensors, plain values)."""
+    hashed = hashlib.sha256()
+    _feed(hashed, value)
+    return hashed.hexdigest()[:12]
 
 
 def _feed(digest: Any, value: Any) -> None:

@@ -1,0 +1,79 @@
+"""The whole-state digests a fault-tolerant heal compares (lightning_ddpx/lightning/fault_tolerance_state.py):
+each piece that decides later updates changes its digest; what is per process by design does not."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from lightning_ddpx.lightning.fault_tolerance_state import digest, state_digests
+
+
+def checkpoint() -> dict:
+    return {
+        "state_dict": {"net.weight": torch.ones(2, 2), "net.bn.running_mean": torch.zeros(2)},
+        "optimizer_states": [{"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": [{"lr": 0.01}]}],
+        "lr_schedulers": [{"best": 0.5, "num_bad_epochs": 0}],
+        "loops": {
+            "fit_loop": {
+                "epoch_progress": {"total": {"completed": 2}},
+                "epoch_loop.val_loop.batch_progress": {"current": {"ready": 8}},
+            },
+            "validate_loop": {"batch_progress": {"current": {"ready": 3}}},
+        },
+        "epoch": 2,
+        "global_step": 32,
+        "callbacks": {
+            "ModelCheckpoint{'monitor': 'val_loss'}": {
+                "best_model_score": torch.tensor(0.3),
+                "best_k_models": {"a.ckpt": torch.tensor(0.3)},
+                "current_score": torch.tensor(0.4),
+            },
+            "EarlyStopping{'monitor': 'val_loss'}": {"wait_count": 1, "best_score": torch.tensor(0.3)},
+        },
+    }
+
+
+def test_each_piece_that_decides_later_updates_changes_its_own_digest():
+    base = state_digests(checkpoint(), ["net.weight"])
+    edits = {
+        "parameters": lambda c: c["state_dict"]["net.weight"].add_(1e-7),
+        "optimizer state": lambda c: c["optimizer_states"][0]["state"][0]["step"].add_(1),
+        "optimizer hyper-parameters": lambda c: c["optimizer_states"][0]["param_groups"][0].update(lr=0.005),
+        "schedulers": lambda c: c["lr_schedulers"][0].update(num_bad_epochs=1),
+        "loops": lambda c: c["loops"]["fit_loop"]["epoch_progress"]["total"].update(completed=3),
+        "progress": lambda c: c.update(global_step=33),
+        "EarlyStopping{'monitor': 'val_loss'}": lambda c: c["callbacks"][
+            "EarlyStopping{'monitor': 'val_loss'}"
+        ].update(wait_count=2),
+        "ModelCheckpoint{'monitor': 'val_loss'}": lambda c: c["callbacks"][
+            "ModelCheckpoint{'monitor': 'val_loss'}"
+        ]["best_k_models"].update({"b.ckpt": torch.tensor(0.35)}),
+    }
+    assert set(edits) == set(base)
+    for piece, edit in edits.items():
+        changed = checkpoint()
+        edit(changed)
+        differing = {
+            name for name, value in state_digests(changed, ["net.weight"]).items() if value != base[name]
+        }
+        assert differing == {piece}, (piece, differing)
+
+
+def test_what_is_per_process_by_design_leaves_every_digest_alike():
+    base = state_digests(checkpoint(), ["net.weight"])
+    changed = checkpoint()
+    changed["state_dict"]["net.bn.running_mean"].add_(1.0)  # a buffer: each rank's own between forwards
+    changed["loops"]["fit_loop"]["epoch_loop.val_loop.batch_progress"]["current"]["ready"] = 0
+    changed["loops"]["validate_loop"]["batch_progress"]["current"]["ready"] = 0
+    changed["callbacks"]["ModelCheckpoint{'monitor': 'val_loss'}"]["current_score"] = None
+    assert state_digests(changed, ["net.weight"]) == base
+
+
+def test_the_digest_tells_dtype_shape_and_order_apart():
+    assert digest(torch.zeros(2)) != digest(torch.zeros(2, dtype=torch.float64))
+    assert digest(torch.zeros(4)) != digest(torch.zeros(2, 2))
+    assert digest([1, 2]) != digest([2, 1])
+    assert digest({"a": 1, "b": 2}) == digest({"b": 2, "a": 1})
+    assert digest(copy.deepcopy(checkpoint())) == digest(checkpoint())
