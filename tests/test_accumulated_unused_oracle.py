@@ -23,7 +23,7 @@ import lightning_ddpx
 from tests.dist_utils import run_distributed
 from tests.oracle import assert_same_tensors, rank_batch, set_shared_memory
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 SMALL_BUCKETS = {"bucket_cap_mb": 0.001, "first_bucket_cap_mb": 0.0002}  # several buckets
 STEPS = 5

@@ -24,6 +24,7 @@ GRADIENT_BYTES = 4 * (8 * 16 + 16 + 16 * 4 + 4)
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_bench_runs_end_to_end_and_writes_json_and_chart(tmp_path: os.PathLike) -> None:
     json_path, png_path = os.path.join(tmp_path, "bench.json"), os.path.join(tmp_path, "bench.png")
     command = [
@@ -51,6 +52,7 @@ def test_bench_runs_end_to_end_and_writes_json_and_chart(tmp_path: os.PathLike) 
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.processes
 def test_bad_arguments_fail_before_any_process_starts() -> None:
     for extra, expected in (
         (["--model", "no_such_module:build"], "cannot import it"),

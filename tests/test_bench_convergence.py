@@ -164,6 +164,7 @@ class TinyData(LightningDataModule):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_convergence_mode_trains_a_users_module_per_contender(tmp_path: Any) -> None:
     json_path, png_path = os.path.join(tmp_path, "c.json"), os.path.join(tmp_path, "c.png")
     done = run_job([
@@ -187,6 +188,7 @@ def test_convergence_mode_trains_a_users_module_per_contender(tmp_path: Any) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_bench_convergence_quick_run_writes_table_and_plot(tmp_path: Any) -> None:
     done = run_job([
         sys.executable, "benchmarks/bench_convergence.py", "--quick", "--tasks", "digits",

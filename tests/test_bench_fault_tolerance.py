@@ -15,7 +15,7 @@ import pytest
 
 from tests.dist_utils import job_env, run_job
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420), pytest.mark.processes]
 
 
 def test_the_quick_run_measures_every_figure(tmp_path) -> None:

@@ -103,6 +103,7 @@ def test_a_bucket_cap_gives_the_bucket_count_it_is_made_for() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_host_cost_benchmark_runs_end_to_end(tmp_path) -> None:
     out = tmp_path / "host_cost.json"
     argv = [sys.executable, os.path.join("benchmarks", "bench_host_cost.py"), "--quick", "--json", str(out)]

@@ -125,6 +125,7 @@ def test_models_have_the_documented_shape() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_engine_benchmark_runs_end_to_end(tmp_path) -> None:
     out = tmp_path / "bench.json"
     completed = run_benchmark(
@@ -139,6 +140,7 @@ def test_engine_benchmark_runs_end_to_end(tmp_path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_engine_benchmark_times_a_snapshot_and_an_injected_transport(tmp_path) -> None:
     """Before/after runs: the package at a commit (here HEAD) as a contender, three ranks, and ours with the
     halves transport injected (the benchmark's alternative, never a switch on the engine)."""
@@ -160,6 +162,7 @@ def test_engine_benchmark_times_a_snapshot_and_an_injected_transport(tmp_path) -
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_hooks_benchmark_runs_end_to_end(tmp_path) -> None:
     out = tmp_path / "hooks.json"
     completed = run_benchmark("bench_hooks.py", "--quick", "--json", str(out))
@@ -178,6 +181,7 @@ def test_hooks_benchmark_runs_end_to_end(tmp_path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_stats_benchmark_runs_end_to_end(tmp_path) -> None:
     out = tmp_path / "stats.json"
     run_benchmark(
@@ -199,6 +203,7 @@ def test_stats_benchmark_runs_end_to_end(tmp_path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_compile_benchmark_runs_end_to_end(tmp_path) -> None:
     out = tmp_path / "compile.json"
     run_benchmark(
@@ -211,6 +216,7 @@ def test_compile_benchmark_runs_end_to_end(tmp_path) -> None:
     assert tiny["split_vs_whole"]["ratio"] > 0
 
 
+@pytest.mark.processes
 def test_per_parameter_benchmark_runs_end_to_end() -> None:
     completed = run_benchmark("bench_per_parameter.py", "--models", "tiny", "--rounds", "4", "--block", "1")
     row = next(line for line in completed.stdout.splitlines() if line.startswith("tiny"))
@@ -245,6 +251,7 @@ def test_hook_floor_contenders_run_their_hook_once_per_gradient(kind: str, monke
     assert len(calls) == 2 * len(list(model.parameters()))
 
 
+@pytest.mark.processes
 def test_overlap_benchmark_runs_end_to_end(tmp_path) -> None:
     out = tmp_path / "overlap.json"
     completed = run_benchmark(
@@ -260,12 +267,14 @@ def test_overlap_benchmark_runs_end_to_end(tmp_path) -> None:
     assert set(tiny["exposed_update_ms"]) == {"overlap", "overlap_whole"}
 
 
+@pytest.mark.processes
 def test_slices_benchmark_runs_end_to_end() -> None:
     completed = run_benchmark("bench_slices.py", "--repeats", "1")
     assert "bit-identical" in completed.stdout and "AdamW" in completed.stdout
     assert "16 chunks" in completed.stdout
 
 
+@pytest.mark.processes
 def test_collectives_benchmark_runs_end_to_end() -> None:
     completed = run_benchmark("bench_collectives.py", "--sizes-mb", "0.01", "--repeats", "1")
     assert "halves" in completed.stdout and "0.0 MB" in completed.stdout
@@ -273,6 +282,7 @@ def test_collectives_benchmark_runs_end_to_end() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_replica_check_benchmark_runs_end_to_end(tmp_path) -> None:
     out = tmp_path / "replica.json"
     run_benchmark(
@@ -283,6 +293,7 @@ def test_replica_check_benchmark_runs_end_to_end(tmp_path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_step_phases_benchmark_prints_each_wrappers_extra_time_per_phase() -> None:
     completed = run_benchmark(
         "bench_step_phases.py", "--models", "tiny300", "--rounds", "2", "--block", "1", "--without", "scale",

@@ -18,6 +18,8 @@ from lightning_ddpx import DistributedDataParallel
 from lightning_ddpx.hooks import build_comm_hook
 from tests.dist_utils import run_distributed
 
+pytestmark = pytest.mark.processes
+
 
 def _net() -> nn.Module:
     torch.manual_seed(0)

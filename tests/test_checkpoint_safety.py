@@ -108,6 +108,7 @@ def test_exception_while_writing_keeps_the_old_file_and_removes_the_temporary(tm
 
 
 @pytest.mark.parametrize("mode", ["mid-write", "before-replace"])
+@pytest.mark.processes
 def test_sigkill_while_writing_leaves_the_previous_checkpoint_readable(tmp_path, mode):
     target = str(tmp_path / "last.ckpt")
     write_old(target)
@@ -120,6 +121,7 @@ def test_sigkill_while_writing_leaves_the_previous_checkpoint_readable(tmp_path,
     assert sorted(os.listdir(tmp_path)) == sorted([leftover, "last.ckpt"])
 
 
+@pytest.mark.processes
 def test_sigkill_from_outside_at_any_point_leaves_a_whole_checkpoint(tmp_path):
     """A real external SIGKILL of a process saving in a loop, sent while a temporary file exists: whatever
     step it interrupts, the target holds one complete version."""
@@ -161,6 +163,7 @@ def _other_filesystem_than_tmp() -> str | None:
     return None
 
 
+@pytest.mark.processes
 def test_lightning_default_write_tears_the_target_across_filesystems():
     """Why AtomicCheckpointIO exists. TorchCheckpointIO writes its temporary file in $TMPDIR; when the
     checkpoint directory is on another filesystem, shutil.move copies into the target, and a kill during the
@@ -325,6 +328,7 @@ EXPECTED_HOOK_NAMES = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(SAVED_CASES))
+@pytest.mark.processes
 def test_every_checkpoint_loads_with_weights_only(saved, case):
     directory, results = saved
     files = sorted(os.listdir(os.path.join(directory, case)))
@@ -338,6 +342,7 @@ def test_every_checkpoint_loads_with_weights_only(saved, case):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["callable", "import_path"])
+@pytest.mark.processes
 def test_callable_hook_is_recorded_by_import_path_with_every_ranks_state(saved, case):
     directory, results = saved
     entry = torch.load(os.path.join(directory, case, "after-fit.ckpt"), weights_only=True)["lightning_ddpx"]
@@ -357,6 +362,7 @@ def test_callable_hook_is_recorded_by_import_path_with_every_ranks_state(saved, 
         ("lambda_on_rank_1_only", ["rank 1", "'per_rank']['extra']", "function"]),
     ],
 )
+@pytest.mark.processes
 def test_hook_state_that_is_not_plain_is_refused_on_every_rank(saved, case, names):
     directory, results = saved
     for rank_result in results:
@@ -368,6 +374,7 @@ def test_hook_state_that_is_not_plain_is_refused_on_every_rank(saved, case, name
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_no_temporary_files_are_left_by_the_strategy(saved):
     directory, _ = saved
     for root, _, names in os.walk(directory):

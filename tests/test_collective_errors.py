@@ -112,6 +112,7 @@ def peer_leaves_before(rank: int, world_size: int, site: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("site", list(SITES))
+@pytest.mark.processes
 def test_a_vanished_peer_is_reported_as_our_error_at_every_site(site: str) -> None:
     result = run_distributed(peer_leaves_before, 2, site, pg_timeout=PG_TIMEOUT_S, timeout=120)[0]
     message = result["message"]
@@ -191,6 +192,7 @@ MISMATCHES = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(MISMATCHES))
+@pytest.mark.processes
 def test_ranks_configured_differently_fail_before_the_first_step(case: str) -> None:
     options, expected = MISMATCHES[case]
     results = run_distributed(configured_per_rank, 2, options, pg_timeout=PG_TIMEOUT_S, timeout=120)
@@ -202,6 +204,7 @@ def test_ranks_configured_differently_fail_before_the_first_step(case: str) -> N
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_equal_settings_pass_the_check() -> None:
     options = [{"comm_hook": "powersgd", "powersgd": {"matrix_approximation_rank": 2}}] * 2
     results = run_distributed(configured_per_rank, 2, options, pg_timeout=PG_TIMEOUT_S, timeout=120)
@@ -235,6 +238,7 @@ def trainer_with_hook_per_rank(rank: int, world_size: int, hooks: list[str]) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_trainer_with_another_hook_on_one_rank_fails_before_training() -> None:
     """The reported mistake: comm_hook='powersgd' on rank 0, 'allreduce' on rank 1. Both ranks raise the
     same ValueError at the first forward, instead of a gloo abort on one and a timeout on the other."""

@@ -82,6 +82,7 @@ def train_and_report(rank: int, world_size: int, hook_name: str | None, bucket_c
         ("batched_powersgd", 1.0, lambda: expected_batched_bytes(1)),
     ],
 )
+@pytest.mark.processes
 def test_bytes_per_step_match_the_hook(
     hook_name: str | None, bucket_cap_mb: float, to_bytes_sent: Any
 ) -> None:
@@ -139,6 +140,7 @@ def torch_hook_report(rank: int, world_size: int) -> dict:
     return {"stats": stats}
 
 
+@pytest.mark.processes
 def test_torch_hook_on_our_module_reports_unknown_bytes_sent() -> None:
     stats = run_distributed(torch_hook_report, 2, timeout=60)[0]["stats"]
     assert stats.bytes_to_hook == 4 * NUMEL and stats.bytes_sent is None
@@ -157,6 +159,7 @@ def profiled_step(rank: int, world_size: int) -> list[str]:
     )
 
 
+@pytest.mark.processes
 def test_hot_paths_carry_profiler_labels() -> None:
     """The labels show up under torch.profiler (and cost nothing without it: lightning_ddpx.engine.profiling)."""
     labels = run_distributed(profiled_step, 2, timeout=60)[0]

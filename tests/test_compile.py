@@ -18,6 +18,8 @@ from torch import nn
 
 from tests.dist_utils import run_distributed
 
+pytestmark = pytest.mark.processes
+
 SMALL_BUCKETS = {"bucket_cap_mb": 0.02, "first_bucket_cap_mb": 0.005}  # ~5000 and ~1300 floats
 STEPS = 6
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}

@@ -372,6 +372,7 @@ def nccl_results() -> list[dict[str, str]]:
 @pytest.mark.slow
 @needs_gpus(2)
 @pytest.mark.parametrize("name", sorted(HOOK_PAIRS))
+@pytest.mark.processes
 def test_hook_matches_torch_ddp_over_nccl(nccl_results, name):
     for rank, out in enumerate(nccl_results):
         assert out[name] == "ok", f"rank {rank}:\n{out[name]}"
@@ -413,6 +414,7 @@ def one_gpu_gloo_results() -> list[dict[str, str]]:
 @pytest.mark.slow
 @needs_gpus(1)
 @pytest.mark.parametrize("name", ONE_GPU_HOOKS)
+@pytest.mark.processes
 def test_hook_matches_torch_ddp_on_one_gpu_over_gloo(one_gpu_gloo_results, name):
     for rank, out in enumerate(one_gpu_gloo_results):
         assert out[name] == "ok", f"rank {rank}:\n{out[name]}"
@@ -422,6 +424,7 @@ def test_hook_matches_torch_ddp_on_one_gpu_over_gloo(one_gpu_gloo_results, name)
 @pytest.mark.slow
 @needs_gpus(1)
 @pytest.mark.parametrize("name", ONE_GPU_HOOKS)
+@pytest.mark.processes
 def test_backward_on_a_side_stream_on_one_gpu_over_gloo(one_gpu_gloo_results, name):
     """As test_backward_on_a_side_stream_with_late_results, with two ranks exchanging through gloo."""
     key = f"{name} on a side stream"
@@ -475,6 +478,7 @@ def run_two_streams(rank: int, world_size: int) -> dict[str, Any]:
 @pytest.mark.cuda
 @pytest.mark.slow
 @needs_gpus(1)
+@pytest.mark.processes
 def test_gradients_from_two_streams_in_one_bucket():
     """One rank (world size 1: the average is the rank's own gradient, so it must equal the plain model's)."""
     (grads,) = run_distributed(run_two_streams, 1, init_process_group=False, timeout=120)
@@ -497,6 +501,7 @@ def run_sync_batchnorm(rank: int, world_size: int) -> dict[str, Any]:
 @pytest.mark.cuda
 @pytest.mark.slow
 @needs_gpus(2)
+@pytest.mark.processes
 def test_sync_batchnorm_matches_ddp_on_gpus():
     results = run_distributed(run_sync_batchnorm, 2, init_process_group=False, timeout=300)
     for out in results:
@@ -573,6 +578,7 @@ def one_gpu_nccl_results() -> dict[str, str]:
 @pytest.mark.slow
 @needs_gpus(1)
 @pytest.mark.parametrize("name", sorted(HOOK_PAIRS))
+@pytest.mark.processes
 def test_hook_matches_torch_ddp_over_nccl_world_size_1(one_gpu_nccl_results, name):
     assert one_gpu_nccl_results[name] == "ok", one_gpu_nccl_results[name]
 
@@ -581,6 +587,7 @@ def test_hook_matches_torch_ddp_over_nccl_world_size_1(one_gpu_nccl_results, nam
 @pytest.mark.slow
 @needs_gpus(1)
 @pytest.mark.parametrize("name", sorted(HOOK_PAIRS))
+@pytest.mark.processes
 def test_backward_on_a_side_stream_with_late_results(one_gpu_nccl_results, name):
     """The averaged gradients are written only after the hook's result exists, for inline hooks and for
     those run on the communication thread (PowerSGD, batched PowerSGD), with backward on a side stream."""
@@ -592,6 +599,7 @@ def test_backward_on_a_side_stream_with_late_results(one_gpu_nccl_results, name)
 @pytest.mark.slow
 @needs_gpus(1)
 @pytest.mark.parametrize("where", ["", " on a side stream"])
+@pytest.mark.processes
 def test_optimizer_overlap_matches_torch_on_the_gpu(one_gpu_nccl_results, where):
     key = f"overlap{where}"
     assert one_gpu_nccl_results[key] == "ok", one_gpu_nccl_results[key]
@@ -636,6 +644,7 @@ def compiled_results() -> dict[str, list[torch.Tensor]]:
 @pytest.mark.slow
 @needs_gpus(1)
 @pytest.mark.parametrize("mode", COMPILE_MODES)
+@pytest.mark.processes
 def test_torch_compile_on_the_gpu_matches_eager(compiled_results, mode):
     for k, (got, expected) in enumerate(zip(compiled_results[mode], compiled_results["eager"])):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"param {k}: {m}")
@@ -667,6 +676,7 @@ def trainer_results() -> dict[str, dict[str, torch.Tensor]]:
 @pytest.mark.slow
 @needs_gpus(1)
 @pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.processes
 def test_trainer_on_one_gpu_matches_ddp(trainer_results, precision):
     """16-mixed includes Lightning's GradScaler (scaled loss, unscale, inf check) around our reducer."""
     torch.testing.assert_close(
@@ -736,6 +746,7 @@ def run_quantized_exchanges_on_one_gpu(rank: int, world_size: int) -> dict[str, 
 @pytest.mark.cuda
 @pytest.mark.slow
 @needs_gpus(1)
+@pytest.mark.processes
 def test_quantized_outer_exchanges_on_cuda_tensors_equal_the_cpus():
     results = run_distributed(run_quantized_exchanges_on_one_gpu, 3, init_process_group=False, timeout=300)
     for precision in ("int8", "int4"):

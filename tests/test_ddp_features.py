@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from tests.dist_utils import run_distributed
 from tests.strategy_helpers import BATCH_SIZE, TinyRegressor, dataset, fit, parameters_of, quiet
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 STEPS = 4
 PAIR = ("ddp", "ddpx")

@@ -23,7 +23,7 @@ from torch import nn
 from lightning_ddpx.hooks.diloco import DiLoCoOptions
 from tests.dist_utils import run_distributed
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 CASES = {
     "diloco": ({"period": 4}, 11),

@@ -28,7 +28,7 @@ from tests.dist_utils import REPO_ROOT, run_distributed
 from tests.oracle import assert_same_tensors
 from tests.strategy_helpers import BATCH_SIZE, TinyRegressor, dataset, fit, parameters_of, quiet
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 EPOCH_STEPS = 8  # 64 samples / 2 ranks / batch 4
 # fragment 0 is sent at steps 2, 6, 10, 14 and applied one step later; fragment 1 at 4, 8, 12, 16: at the

@@ -382,6 +382,7 @@ def exchange_under_both_rules(rank: int, world_size: int) -> dict[str, torch.Ten
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_quantized_means_are_the_same_bits_under_either_devices_rule_on_three_ranks() -> None:
     """Three ranks, so that the mean's division by the world size has no exact reciprocal: each rank's mean
     is the same bits under the CPU's and CUDA's rules, and on every rank (``tests/test_cuda.py`` runs the
@@ -421,6 +422,7 @@ def overlapped_both_ways(rank: int, world_size: int) -> dict[str, bool]:
     return same
 
 
+@pytest.mark.processes
 def test_exchanges_completed_at_send_give_the_same_bits_as_exchanges_in_flight() -> None:
     """The fault tolerance completes each exchange within the step that sends it (complete_at_send);
     applied ``overlap_steps`` later and mixed as usual, the parameters and anchors are bitwise those of the

@@ -10,6 +10,7 @@ import pytest
 from tests.dist_utils import run_job
 
 
+@pytest.mark.processes
 def test_mkdocs_builds_strictly(tmp_path):
     pytest.importorskip("mkdocs", reason="mkdocs is in the dev extra: pip install -e '.[dev]'")
     done = run_job(

@@ -109,6 +109,7 @@ def engine_errors(rank: int, world_size: int) -> dict:
     return out
 
 
+@pytest.mark.processes
 def test_engine_errors_name_the_culprit_and_the_fix():
     results = run_distributed(engine_errors, 2)
     for rank, out in enumerate(results):

@@ -17,6 +17,8 @@ import lightning_ddpx
 from tests.dist_utils import run_distributed
 from tests.oracle import Branches, rank_batch, set_shared_memory, train_side_by_side, wide_4mib_mlp
 
+pytestmark = pytest.mark.processes
+
 SMALL_BUCKETS = {"bucket_cap_mb": 0.004, "first_bucket_cap_mb": 0.001}  # ~1000 and ~250 floats
 STEPS = 10
 

@@ -525,6 +525,7 @@ def two_rank_outcomes() -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("case", TWO_RANKS, ids=[case.id for case in TWO_RANKS])
+@pytest.mark.processes
 def test_two_rank_case(case: Case, two_rank_outcomes: list[dict[str, Any]]) -> None:
     for rank, seen in enumerate(two_rank_outcomes):
         check(case, seen[case.id], rank)

@@ -164,6 +164,7 @@ def results(tmp_path_factory) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_accumulation_synchronises_once_per_bucket_per_window(results):
     for rank_result in results:
         assert rank_result["accumulate/buckets"] == 2
@@ -176,6 +177,7 @@ def test_accumulation_synchronises_once_per_bucket_per_window(results):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_accumulation_matches_torch_ddp_driven_by_hand(results):
     for rank_result in results:
         for name, expected in rank_result["accumulate/torch"].items():
@@ -185,6 +187,7 @@ def test_accumulation_matches_torch_ddp_driven_by_hand(results):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_powersgd_resume_is_bit_identical_to_uninterrupted_training(results):
     for rank_result in results:
         assert rank_result["resumed/warnings"] == []
@@ -195,6 +198,7 @@ def test_powersgd_resume_is_bit_identical_to_uninterrupted_training(results):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_resume_without_hook_state_warns_and_is_not_exact(results):
     (message,) = results[0]["stripped/warnings"]  # rank_zero_warn: once, on rank 0
     assert "holds no communication-hook state" in message
@@ -206,6 +210,7 @@ def test_resume_without_hook_state_warns_and_is_not_exact(results):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_checkpoint_loads_with_weights_only_and_holds_every_rank(results):
     checkpoint = torch.load(results[0]["path"], weights_only=True)
     assert set(checkpoint["model"]) == set(make_model().state_dict()), "saved without our wrapper's prefix"

@@ -96,6 +96,7 @@ def _wait_for(paths: list[Path], within_s: float = 30.0) -> None:
 # ------------------------------------------------------------------------------------ what children find
 @pytest.mark.slow
 @pytest.mark.timeout(60)
+@pytest.mark.processes
 def test_children_get_distinct_uids_the_store_and_the_world_size(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -135,6 +136,7 @@ report(
 
 # ---------------------------------------------------------------------------------- losses, replacements
 @pytest.mark.timeout(60)
+@pytest.mark.processes
 def test_a_killed_child_is_recorded_and_replaced(tmp_path: Path) -> None:
     """SIGKILLed, the child is marked dead in the store, its process group is killed, and the replacement
     (the next uid) finds the marks; the run succeeds because the others finished with 0."""
@@ -168,6 +170,7 @@ else:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.processes
 def test_no_replacement_without_replacements_left(tmp_path: Path) -> None:
     script = """
 if uid == "00001":
@@ -188,6 +191,7 @@ report()
     [("sys.exit(3)", 1, 3), ("os.kill(os.getpid(), signal.SIGKILL)", 0, 1)],
     ids=["exit-code", "signals-only"],
 )
+@pytest.mark.processes
 def test_all_children_failing_fails_the_run(
     tmp_path: Path, how: str, replacements: int, expected: int
 ) -> None:
@@ -207,6 +211,7 @@ time.sleep(60)
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.processes
 def test_stop_from_another_thread_leaves_no_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Children ignoring SIGTERM are SIGKILLed after the grace period, with what they started."""
     monkeypatch.setattr(launch, "TERMINATE_GRACE_S", 0.5)
@@ -228,6 +233,7 @@ def test_stop_from_another_thread_leaves_no_process(tmp_path: Path, monkeypatch:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.processes
 def test_an_exception_in_the_loop_leaves_no_process(tmp_path: Path) -> None:
     script = """
 if uid == "00000":
@@ -251,6 +257,7 @@ time.sleep(60)
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
+@pytest.mark.processes
 def test_the_cli_forwards_sigterm(tmp_path: Path) -> None:
     """The CLI runs a ``.py`` command with this Python; SIGTERM to it stops the children (which exit at once
     on SIGTERM here) and returns 143."""
@@ -393,6 +400,7 @@ def form_generation(store, members):
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
+@pytest.mark.processes
 def test_node_0_keeps_the_store_up_until_the_other_machines_processes_exit(tmp_path: Path) -> None:
     """Two supervisors on one store: node-prefixed uids, the run's world size, node 1's loss recorded in
     node 0's store by node 1's supervisor, and node 0 returning only after that (its own child exited long
@@ -439,6 +447,7 @@ else:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.processes
 def test_node_0_releases_the_store_after_linger_s_and_node_1_goes_on_without_it(tmp_path: Path) -> None:
     """Node 1's process outlives node 0's linger: node 0 returns after ``linger_s``; node 1's supervisor
     cannot record the exit any more, says so, and still returns its process's code. (The process fails: a

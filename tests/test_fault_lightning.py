@@ -86,6 +86,7 @@ def assert_one_training(
     ],
     ids=["rank0-backward", "middle-forward-fp16", "last-optimizer-powersgd", "rank0-checkpoint-save"],
 )
+@pytest.mark.processes
 def test_a_trainer_survives_a_killed_process_and_heals_a_replacement(tmp_path, victim, point, hook):
     out, main, logs, stderr = run_trainer_job(
         tmp_path, FAULT_JOB_KILL=f"{victim}:2:{point}", FAULT_JOB_HOOK=hook
@@ -123,6 +124,7 @@ def test_a_trainer_survives_a_killed_process_and_heals_a_replacement(tmp_path, v
     ],
     ids=["diloco-rank0", "post-local-sgd-middle", "streaming-diloco-last"],
 )
+@pytest.mark.processes
 def test_a_trainer_with_an_averaging_hook_survives_a_lost_average_and_heals_a_copy_of_a_replica(
     tmp_path, hook, victim, synced_at
 ):
@@ -159,6 +161,7 @@ def test_a_trainer_with_an_averaging_hook_survives_a_lost_average_and_heals_a_co
 
 @pytest.mark.slow
 @pytest.mark.timeout(260)
+@pytest.mark.processes
 def test_a_process_lost_during_validation_gives_the_survivors_one_metric_for_that_epoch(tmp_path):
     """The middle process dies in its first validation step after epoch 0. The survivors' next collective
     is the sync of a torchmetrics metric (``val_mse``, logged before the ``sync_dist`` loss): it fails, and
@@ -190,6 +193,7 @@ def test_a_process_lost_during_validation_gives_the_survivors_one_metric_for_tha
 
 @pytest.mark.slow
 @pytest.mark.timeout(260)
+@pytest.mark.processes
 def test_a_trainer_accumulating_gradients_survives_a_process_killed_in_a_micro_batch(tmp_path):
     """accumulate_grad_batches=2: the middle process is SIGKILLed in the first micro-batch of global step 2,
     which accumulates locally (no gradient collective). The vote on that micro-batch finds it lost: both
@@ -212,6 +216,7 @@ def test_a_trainer_accumulating_gradients_survives_a_process_killed_in_a_micro_b
 
 @pytest.mark.timeout(260)
 @pytest.mark.parametrize("accumulate", [1, 2], ids=["every-batch", "accumulating-2"])
+@pytest.mark.processes
 def test_a_collective_between_steps_failing_on_one_member_is_run_again_and_costs_no_batch(
     tmp_path, accumulate
 ):
@@ -242,6 +247,7 @@ def test_a_collective_between_steps_failing_on_one_member_is_run_again_and_costs
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
+@pytest.mark.processes
 def test_ranks_with_different_numbers_of_batches_are_refused_at_the_epochs_start_naming_each_count(tmp_path):
     """Without a DistributedSampler rank 2 gets a batch fewer: its steps and the others' would no longer
     pair up (a gradient all-reduce meeting an end-of-epoch collective). Every process refuses it at the
@@ -263,6 +269,7 @@ def test_ranks_with_different_numbers_of_batches_are_refused_at_the_epochs_start
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
+@pytest.mark.processes
 def test_without_a_failure_fit_returns_the_trained_model_in_the_launching_process(tmp_path):
     out, main, logs, _ = run_trainer_job(tmp_path, FAULT_JOB_REPLACEMENTS="0")
     assert sorted(logs) == ["00000", "00001", "00002"]
@@ -322,6 +329,7 @@ def test_a_cluster_environment_of_its_own_is_refused():
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("hook", ["", "diloco", "post_local_sgd"])
+@pytest.mark.processes
 def test_a_fabric_loop_survives_rank_0_killed_and_heals_a_replacement(tmp_path, hook):
     out = tmp_path / "out"
     out.mkdir()
@@ -365,6 +373,7 @@ def test_a_fabric_loop_survives_rank_0_killed_and_heals_a_replacement(tmp_path, 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+@pytest.mark.processes
 def test_the_same_trainer_script_runs_across_machines_under_one_launcher_per_machine(tmp_path):
     """Two launchers emulating two machines on 127.0.0.1 (node 0 hosts the store with two processes, node 1
     connects with one) run the unchanged Trainer script; node 1's process is killed mid-backward."""
@@ -420,6 +429,7 @@ def save_on_three_and_resume_on_two(tmp_path: Path, hook: str):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.processes
 def test_a_fault_tolerant_checkpoint_resumes_at_another_world_size_with_powersgds_shared_state(tmp_path):
     """Three processes save (rank 0 of the membership writes; the checkpoint records the world size and
     PowerSGD's shared state); two resume it with ckpt_path and continue its global step and iteration."""
@@ -441,6 +451,7 @@ def test_a_fault_tolerant_checkpoint_resumes_at_another_world_size_with_powersgd
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.processes
 def test_a_fault_tolerant_diloco_checkpoint_resumes_at_another_world_size_with_its_anchors(tmp_path):
     """DiLoCo (an outer step every 3 inner steps) under fault tolerance: three processes save, the checkpoint
     holds DiLoCo's whole shared state (inner steps, anchors, outer momentum); two resume it and go on from

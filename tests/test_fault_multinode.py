@@ -15,6 +15,8 @@ import pytest
 from tests.dist_utils import free_port, job_env, run_jobs
 from tests.test_fault_tolerance import STEPS, _logs, _pids, assert_consistent
 
+pytestmark = pytest.mark.processes
+
 LAUNCH = [sys.executable, "-m", "lightning_ddpx.fault.launch", "--world-size", "3"]
 
 

@@ -30,7 +30,7 @@ from tests.dist_utils import job_env, run_job
 JOB = "tests/fault_project_job.py"
 TRAIN_SAMPLES, VAL_SAMPLES = 384, 192
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 
 def run_project(tmp_path: Path, **env: str) -> tuple[Path, dict, str]:

@@ -20,7 +20,7 @@ import pytest
 
 from tests.dist_utils import REPO_ROOT, job_env, run_job
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400), pytest.mark.processes]
 
 GAP_TOLERANCE = 0.02
 

@@ -20,7 +20,7 @@ import pytest
 
 from tests.dist_utils import job_env, run_job
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.processes]
 
 STEPS = 12
 POWERSGD = {"powersgd": {"start_powerSGD_iter": 2, "matrix_approximation_rank": 1}}

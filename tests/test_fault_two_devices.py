@@ -15,6 +15,8 @@ import pytest
 
 from tests.test_fault_lightning import assert_one_training, run_trainer_job
 
+pytestmark = pytest.mark.processes
+
 EPOCHS, STEPS_PER_EPOCH = 3, 12  # 96 samples, batches of 4, over 2 ranks
 
 

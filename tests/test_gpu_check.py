@@ -19,6 +19,7 @@ no_gpu_here = pytest.mark.skipif(
 
 
 @no_gpu_here
+@pytest.mark.processes
 def test_without_a_gpu_it_says_what_it_skipped_and_exits_0():
     done = run_job(SCRIPT, timeout=120, env=job_env(DDPX_PYTHON=sys.executable))
     assert done.returncode == 0, done.stdout + done.stderr
@@ -27,6 +28,7 @@ def test_without_a_gpu_it_says_what_it_skipped_and_exits_0():
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_dry_run_runs_the_cpu_side_of_every_part(tmp_path):
     done = run_job([*SCRIPT, "--dry-run", "--results-dir", str(tmp_path)], timeout=300,
                    env=job_env(DDPX_PYTHON=sys.executable))  # fmt: skip
@@ -52,6 +54,7 @@ def test_dry_run_runs_the_cpu_side_of_every_part(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_a_part_out_of_time_fails_the_check(tmp_path):
     env = job_env(DDPX_PYTHON=sys.executable, DDPX_GPU_TESTS_TIMEOUT_S="1", DDPX_GPU_BENCH_TIMEOUT_S="1")
     done = run_job([*SCRIPT, "--dry-run", "--results-dir", str(tmp_path)], timeout=120, env=env)

@@ -13,7 +13,7 @@ import lightning_ddpx
 from tests.dist_utils import run_distributed
 from tests.oracle import rank_batch
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120), pytest.mark.processes]
 
 SMALL_BUCKETS = {"bucket_cap_mb": 0.004, "first_bucket_cap_mb": 0.001}
 

@@ -24,7 +24,7 @@ import lightning_ddpx
 from lightning_ddpx import hooks
 from tests.dist_utils import run_distributed
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 ONE_BUCKET = {"bucket_cap_mb": 100.0}
 OUR_ONE_BUCKET = {"bucket_cap_mb": 100.0, "first_bucket_cap_mb": 100.0}

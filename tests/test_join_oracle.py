@@ -24,7 +24,7 @@ from lightning_ddpx import hooks
 from tests.dist_utils import run_distributed
 from tests.oracle import Branches, default_path, rank_batch, set_shared_memory, wide_4mib_mlp
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120), pytest.mark.processes]
 
 SMALL_BUCKETS = {"bucket_cap_mb": 0.004, "first_bucket_cap_mb": 0.001}
 COUNTS = {2: [6, 3], 3: [6, 4, 0]}  # steps per rank: rank 2 of 3 has no input at all

@@ -27,7 +27,7 @@ from lightning_ddpx import LocalGradientWarning
 from tests.dist_utils import run_distributed
 from tests.oracle import rank_batch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 
 class Net(nn.Module):

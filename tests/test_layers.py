@@ -18,6 +18,7 @@ def _python(code: str) -> str:
     return result.stdout.strip()
 
 
+@pytest.mark.processes
 def test_engine_names_import_without_lightning() -> None:
     loaded = _python(
         "import sys\n"
@@ -29,6 +30,7 @@ def test_engine_names_import_without_lightning() -> None:
 
 
 @pytest.mark.parametrize("order", ["ddpx first", "lightning first"])
+@pytest.mark.processes
 def test_strategy_names_registered_whichever_is_imported_first(order: str) -> None:
     imports = "import lightning_ddpx\nimport lightning\n"
     if order == "lightning first":
@@ -41,6 +43,7 @@ def test_strategy_names_registered_whichever_is_imported_first(order: str) -> No
     assert out == "True True True"
 
 
+@pytest.mark.processes
 def test_trainer_resolves_the_name_when_lightning_is_imported_after_us() -> None:
     out = _python(
         "import lightning_ddpx\nfrom lightning.pytorch import Trainer\n"
@@ -85,6 +88,7 @@ LIGHTNING_LAYER = sorted(
 
 
 @pytest.mark.parametrize("module", LIGHTNING_LAYER)
+@pytest.mark.processes
 def test_any_lightning_layer_module_imported_first_registers_the_names(module: str) -> None:
     """Importing a module of the Lightning layer first imports Lightning, whose import registers our names:
     that must not meet one of our modules half-initialised (a warning would say the registration failed)."""

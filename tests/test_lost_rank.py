@@ -221,11 +221,13 @@ def check(runs: list[Run]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(60 + 40 * RUNS)
+@pytest.mark.processes
 def test_a_repeated_kill_is_named_every_time() -> None:
     check([run_once(*case) for case in cases(RUNS)])
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+@pytest.mark.processes
 def test_fabric_names_a_lost_child() -> None:
     check([run_once(1, "backward", "fabric")])

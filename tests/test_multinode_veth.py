@@ -138,6 +138,7 @@ def test_veth_link_checks_arguments_before_touching_the_system() -> None:
 
 
 @needs_netns
+@pytest.mark.processes
 def test_veth_link_creates_shaped_pair_and_always_deletes_it() -> None:
     first, second = VethLink(rate="1gbit", prefix="ddpxtest"), VethLink(prefix="ddpxtest")
     assert set(first.namespaces).isdisjoint(second.namespaces)
@@ -163,6 +164,7 @@ def test_veth_link_creates_shaped_pair_and_always_deletes_it() -> None:
 
 
 @needs_netns
+@pytest.mark.processes
 def test_leftover_namespace_of_a_dead_process_is_removed() -> None:
     dead = subprocess.Popen(["true"])
     dead.wait()  # its pid now names no live process (pid reuse within the test is vanishingly unlikely)
@@ -180,6 +182,7 @@ def test_leftover_namespace_of_a_dead_process_is_removed() -> None:
 
 @needs_netns
 @pytest.mark.slow
+@pytest.mark.processes
 def test_two_nodes_train_over_veth_like_one_process(tmp_path: Path) -> None:
     with VethLink(rate="1gbit") as link:
         procs = start_nodes(link, tmp_path)
@@ -209,6 +212,7 @@ def test_two_nodes_train_over_veth_like_one_process(tmp_path: Path) -> None:
 
 @needs_netns
 @pytest.mark.slow
+@pytest.mark.processes
 def test_cut_link_fails_both_nodes_with_timeout_message(tmp_path: Path) -> None:
     with VethLink() as link:
         procs = start_nodes(link, tmp_path, "--pause-after", "3", "--timeout-s", str(TIMEOUT_S))

@@ -11,6 +11,8 @@ from lightning_ddpx.engine.agreement.errors import CommunicationError
 from tests.dist_utils import run_distributed
 from tests.test_engine_oracle import SMALL_BUCKETS, mlp, mlp_loss
 
+pytestmark = pytest.mark.processes
+
 PG_TIMEOUT_S = 4.0
 
 

@@ -46,6 +46,8 @@ from lightning_ddpx.hooks import available_hooks, build_comm_hook
 from tests.dist_utils import run_distributed
 from tests.oracle import rank_batch
 
+pytestmark = pytest.mark.processes
+
 MODES = ("plain", "no_sync", "static_graph", "join", "compile", "manual", "overlap", "unfrozen")
 STEPS, SAVE_AT, UNFREEZE_AT = 6, 3, 2
 JOIN_SHORTER_BY = 2  # rank 1's batches in the join mode: STEPS - 2

@@ -66,10 +66,12 @@ def _train(rank: int, world_size: int, optimizer: str, before: bool, ours_kwargs
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("before", [True, False], ids=["applied_before_wrapping", "applied_after"])
+@pytest.mark.processes
 def test_optimizers_in_backward_step_with_the_average(optimizer: str, before: bool) -> None:
     run_distributed(_train, 2, optimizer, before, {"bucket_cap_mb": 0.004, "first_bucket_cap_mb": 0.001})
 
 
+@pytest.mark.processes
 def test_optimizers_in_backward_on_three_ranks_with_bucket_views() -> None:
     run_distributed(_train, 3, "adam", True, {"gradient_as_bucket_view": True})
 
@@ -125,5 +127,6 @@ def _no_sync_first(rank: int, world_size: int) -> None:
     )
 
 
+@pytest.mark.processes
 def test_a_no_sync_backward_first_does_not_step_them() -> None:
     run_distributed(_no_sync_first, 2)

@@ -84,6 +84,7 @@ def test_spellings_are_not_config_fields() -> None:
     assert not fields & {o.name for o in SPELLINGS}
 
 
+@pytest.mark.processes
 def test_docs_tables_are_made_from_the_declarations() -> None:
     result = subprocess.run(
         [sys.executable, str(REPO_ROOT / "scripts" / "options_tables.py"), "--check"],

@@ -323,6 +323,7 @@ def outcomes() -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
+@pytest.mark.processes
 def test_same_parameters_and_state_as_torch_ddp(outcomes: list[dict[str, Any]], name: str) -> None:
     for rank, outcome in enumerate(outcomes):
         result = outcome[name]
@@ -345,11 +346,13 @@ def test_same_parameters_and_state_as_torch_ddp(outcomes: list[dict[str, Any]], 
             assert result["debug"], f"rank {rank}: DDPX_DEBUG was not on"
 
 
+@pytest.mark.processes
 def test_no_step_inside_no_sync(outcomes: list[dict[str, Any]]) -> None:
     for outcome in outcomes:
         assert outcome["accumulate_no_sync"]["moved_during_no_sync"] == 0.0
 
 
+@pytest.mark.processes
 def test_scheduler_changes_lr_of_the_steps(outcomes: list[dict[str, Any]]) -> None:
     # StepLR halves every 2 steps: after 6 steps lr is 1e-2 / 8 (and 3e-3 / 8), equal to torch's run above
     lrs = outcomes[0]["adamw_groups_scheduler"]["lr"]
@@ -366,6 +369,7 @@ def test_scheduler_changes_lr_of_the_steps(outcomes: list[dict[str, Any]]) -> No
         ("second_step", ("already stepped it", "apply the update twice", "overlap_optimizer_with(None)")),
     ],
 )
+@pytest.mark.processes
 def test_refused_with_the_reason(
     outcomes: list[dict[str, Any]], case: str, must_say: tuple[str, ...]
 ) -> None:
@@ -375,6 +379,7 @@ def test_refused_with_the_reason(
         assert part in message, f"{part!r} not in {message!r}"
 
 
+@pytest.mark.processes
 def test_plain_steps_remain_possible(outcomes: list[dict[str, Any]]) -> None:
     refusals = outcomes[1]["refusals"]
     assert refusals["step_after_no_sync"] == "ok" and refusals["plain_again"] == "ok"
@@ -416,6 +421,7 @@ def plans_with_overlap(rank: int, world_size: int) -> dict[str, Any]:
     return {"before": before, "with_overlap": with_overlap, "after": after, "error": error}
 
 
+@pytest.mark.processes
 def test_the_overlap_keeps_its_last_bucket_small_and_every_rank_must_agree() -> None:
     """The last bucket's update is the one no communication can hide, so with the overlap the planner
     splits that bucket down to its trailing parameters (the first bucket's cap); switching the overlap off

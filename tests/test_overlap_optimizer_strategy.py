@@ -213,6 +213,7 @@ def assert_same(actual: dict, expected: dict, tolerance: float = 1e-6) -> None:
         )
 
 
+@pytest.mark.processes
 def test_adamw_with_scheduler_matches_ddp(results: list[dict[str, Any]]) -> None:
     for out in results:
         assert out["adamw/overlap/steps"] == out["adamw/ddp/steps"] == STEPS
@@ -224,6 +225,7 @@ def test_adamw_with_scheduler_matches_ddp(results: list[dict[str, Any]]) -> None
         assert all(not torch.equal(out["adamw/overlap"][k], v) for k, v in out["start"].items())
 
 
+@pytest.mark.processes
 def test_sliced_updates_match_ddp(results: list[dict[str, Any]]) -> None:
     for out in results:
         # the first step creates AdamW's state, so it is whole; from the second on, both weights in slices
@@ -233,6 +235,7 @@ def test_sliced_updates_match_ddp(results: list[dict[str, Any]]) -> None:
             assert_same(out["wide/overlap/state"][index], state)
 
 
+@pytest.mark.processes
 def test_accumulation_steps_on_the_boundary_like_ddp(results: list[dict[str, Any]]) -> None:
     for out in results:
         assert out["accumulate/overlap/steps"] == out["accumulate/ddp/steps"] == 2
@@ -242,6 +245,7 @@ def test_accumulation_steps_on_the_boundary_like_ddp(results: list[dict[str, Any
             assert_same(out["accumulate/overlap/state"][index], state)
 
 
+@pytest.mark.processes
 def test_resume_keeps_optimizer_state(results: list[dict[str, Any]]) -> None:
     for out in results:
         assert out["resume/overlap/steps"] == 16
@@ -250,6 +254,7 @@ def test_resume_keeps_optimizer_state(results: list[dict[str, Any]]) -> None:
             assert_same(out["resume/overlap/state"][index], state)
 
 
+@pytest.mark.processes
 def test_fabric_loop_unchanged_matches_plain_step(results: list[dict[str, Any]]) -> None:
     for out in results:
         assert out["fabric/True"]["buckets"] >= 2
@@ -266,6 +271,7 @@ def test_fabric_loop_unchanged_matches_plain_step(results: list[dict[str, Any]])
         ("refuse/manual", ("automatic optimization", "overlap_optimizer=False")),
     ],
 )
+@pytest.mark.processes
 def test_trainer_refusals(results: list[dict[str, Any]], key: str, must_say: tuple[str, ...]) -> None:
     for out in results:
         assert out[key], f"{key}: nothing was refused"
@@ -273,6 +279,7 @@ def test_trainer_refusals(results: list[dict[str, Any]], key: str, must_say: tup
             assert part in out[key], f"{part!r} not in {out[key]!r}"
 
 
+@pytest.mark.processes
 def test_fabric_clipping_refused(results: list[dict[str, Any]]) -> None:
     message = results[0]["fabric/True"]["clip"]
     assert "fabric.clip_gradients(max_norm=...)" in message and "overlap_optimizer=True" in message

@@ -146,6 +146,7 @@ def bare_module_outcomes() -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("name", list(HOOKS))
+@pytest.mark.processes
 def test_the_documented_call_synchronises_the_replicas_where_the_algorithm_does(bare_module_outcomes, name):
     for out in bare_module_outcomes:
         run = out[name]
@@ -160,6 +161,7 @@ def test_the_documented_call_synchronises_the_replicas_where_the_algorithm_does(
 
 
 @pytest.mark.parametrize("name", list(HOOKS))
+@pytest.mark.processes
 def test_the_documented_call_gives_the_older_recipes_numbers_bit_for_bit(bare_module_outcomes, name):
     for out in bare_module_outcomes:
         ours, older = out[name]["params"], out[name]["older"]
@@ -169,6 +171,7 @@ def test_the_documented_call_gives_the_older_recipes_numbers_bit_for_bit(bare_mo
 
 
 @pytest.mark.parametrize("name", list(HOOKS))
+@pytest.mark.processes
 def test_without_the_call_every_rank_raises_at_the_next_synchronising_forward(bare_module_outcomes, name):
     algorithm = {"diloco": "DiLoCo's outer step", "post_local_sgd": "post-local SGD's model averaging"}[name]
     docs = {"diloco": "docs/diloco.md", "post_local_sgd": "docs/hooks.md"}[name]
@@ -228,6 +231,7 @@ def fabric_job(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_the_trainer_strategy_runs_the_averaging_and_never_trips_the_guard():
     for out in run_distributed(trainer_job, 2, timeout=240, init_process_group=False):
         assert out["diloco"] == (8, 2)  # outer steps after inner steps 3 and 6
@@ -235,6 +239,7 @@ def test_the_trainer_strategy_runs_the_averaging_and_never_trips_the_guard():
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_the_fabric_strategy_runs_the_averaging_and_never_trips_the_guard():
     for out in run_distributed(fabric_job, 2, timeout=180, init_process_group=False):
         assert out["diloco"] == (7, 2)

@@ -25,7 +25,7 @@ from lightning_ddpx.hooks import PostLocalSGDState, post_local_sgd_hook
 from tests.dist_utils import run_distributed
 from tests.oracle import assert_same_tensors, rank_batch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 STEPS, START, PERIOD = 12, 4, 3
 SMALL_BUCKETS = {"bucket_cap_mb": 0.004, "first_bucket_cap_mb": 0.001}  # several buckets: is_last counts

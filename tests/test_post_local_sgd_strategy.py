@@ -29,7 +29,7 @@ from tests.dist_utils import run_distributed
 from tests.oracle import assert_same_tensors
 from tests.strategy_helpers import fit, parameters_of, quiet
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 START, PERIOD = 3, 3
 EPOCH_STEPS = 8  # 64 samples / 2 ranks / batch 4

@@ -229,6 +229,7 @@ def default_subgroup_job(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_default_subgroup_on_one_machine_is_every_rank_and_warns():
     results = run_distributed(default_subgroup_job, 2, timeout=60)
     assert all(r["world"] for r in results)
@@ -271,5 +272,6 @@ def lazy_job(rank: int, world_size: int) -> tuple:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_state_built_before_the_process_group_creates_its_groups_at_the_first_hook():
     assert run_distributed(lazy_job, 2, init_process_group=False, timeout=60) == [(1, 3), (1, 3)]

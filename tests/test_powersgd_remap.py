@@ -106,6 +106,7 @@ def straight_vs_resumed(rank: int, world_size: int, resume_cap: dict) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_torch_resume_recipe_continues_bit_identically() -> None:
     for rank, result in enumerate(run_distributed(straight_vs_resumed, 2, SMALL_BUCKETS, timeout=180)):
         assert result["buckets"] > 2 and result["saved_buckets"] > 2, result
@@ -115,6 +116,7 @@ def test_torch_resume_recipe_continues_bit_identically() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_a_changed_bucket_cap_keeps_the_memory() -> None:
     """Resuming with one big bucket instead of several: the memory moves into it (no reset warning, nothing
     left over) and training continues exactly, because PowerSGD's arithmetic is per matrix."""

@@ -17,6 +17,8 @@ import torch
 
 from tests.dist_utils import free_port, job_env, run_jobs
 
+pytestmark = pytest.mark.processes
+
 JOB_TIMEOUT_S = 180
 ABORT_MARKER = "terminate called"
 

@@ -301,6 +301,7 @@ def test_digest_is_bitwise() -> None:
 
 # ---------------------------------------------------------------------------------------- 2 processes
 @pytest.mark.slow
+@pytest.mark.processes
 def test_verification_passes_on_equal_replicas_and_names_the_difference(
     outcomes: list[dict[str, Any]],
 ) -> None:
@@ -320,6 +321,7 @@ def test_verification_passes_on_equal_replicas_and_names_the_difference(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["unfrozen_plain", "unfrozen_overlap"])
+@pytest.mark.processes
 def test_parameters_unfrozen_after_wrapping_are_averaged(outcomes: list[dict[str, Any]], name: str) -> None:
     for rank, outcome in enumerate(outcomes):
         result = outcome[name]
@@ -330,6 +332,7 @@ def test_parameters_unfrozen_after_wrapping_are_averaged(outcomes: list[dict[str
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_torch_ddp_leaves_unfrozen_parameters_unaveraged(outcomes: list[dict[str, Any]]) -> None:
     """The bar we beat: if torch's DDP stops diverging here, the comparison in docs/engine.md is stale."""
     assert outcomes[0]["torch_ddp_unfrozen"]["spread"] > 1e-4
@@ -337,6 +340,7 @@ def test_torch_ddp_leaves_unfrozen_parameters_unaveraged(outcomes: list[dict[str
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["frozen_plain", "frozen_overlap", "frozen_find_unused"])
+@pytest.mark.processes
 def test_parameters_frozen_after_wrapping_leave_the_reduction(
     outcomes: list[dict[str, Any]], name: str
 ) -> None:
@@ -351,6 +355,7 @@ def test_parameters_frozen_after_wrapping_leave_the_reduction(
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_overlap_refuses_a_grad_scaler_before_any_update(outcomes: list[dict[str, Any]]) -> None:
     for outcome in outcomes:
         result = outcome["grad_scaler"]
@@ -360,6 +365,7 @@ def test_overlap_refuses_a_grad_scaler_before_any_update(outcomes: list[dict[str
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["hooks_plain", "hooks_overlap"])
+@pytest.mark.processes
 def test_global_optimizer_hooks_fire_once_per_step(outcomes: list[dict[str, Any]], name: str) -> None:
     for outcome in outcomes:
         result = outcome[name]
@@ -369,6 +375,7 @@ def test_global_optimizer_hooks_fire_once_per_step(outcomes: list[dict[str, Any]
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_requires_grad_changes_that_cannot_be_followed_are_named(outcomes: list[dict[str, Any]]) -> None:
     for outcome in outcomes:
         result = outcome["trainable_set_errors"]
@@ -381,6 +388,7 @@ def test_requires_grad_changes_that_cannot_be_followed_are_named(outcomes: list[
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_verification_inside_backward_is_refused(outcomes: list[dict[str, Any]]) -> None:
     for outcome in outcomes:
         assert (

@@ -29,6 +29,8 @@ import torch.distributed as dist
 
 from tests.dist_utils import REPO_ROOT, job_env, run_jobs
 
+pytestmark = pytest.mark.processes
+
 RECIPE = str(REPO_ROOT / "tests" / "restart_recipe_job.py")
 RUNS = int(os.environ.get("RESTART_RECIPE_RUNS", "3"))
 RUN_TIMEOUT_S = 120  # a run takes 10-25 s here; gloo's connect would wait the group's 30 minutes

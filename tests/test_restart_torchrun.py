@@ -25,7 +25,7 @@ import torch
 from lightning_ddpx.lightning.checkpoint_io import TEMP_PREFIX
 from tests.dist_utils import REPO_ROOT, job_env, run_job
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 EPOCH_STEPS = 8  # 64 samples / 2 ranks / batch 4
 EPOCHS = 4

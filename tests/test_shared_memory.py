@@ -250,6 +250,7 @@ def run_refusal(rank: int, world_size: int, how: str) -> dict:
 
 
 @pytest.mark.parametrize("how", ["switched_off", "another_machine"])
+@pytest.mark.processes
 def test_every_rank_falls_back_to_gloo_when_one_cannot_take_part(how: str) -> None:
     results = run_distributed(run_refusal, 2, how)
     assert [result["path"] for result in results] == ["whole", "whole"]
@@ -273,6 +274,7 @@ def run_construction(rank: int, world_size: int) -> dict:
     }
 
 
+@pytest.mark.processes
 def test_the_shared_file_is_gone_once_every_rank_mapped_it() -> None:
     results = run_distributed(run_construction, 2)
     assert [result["path"] for result in results] == ["shared_memory"] * 2
@@ -280,6 +282,7 @@ def test_the_shared_file_is_gone_once_every_rank_mapped_it() -> None:
     assert results[0]["files_left"] == []
 
 
+@pytest.mark.processes
 def test_three_ranks_say_why_they_use_gloo() -> None:
     for result in run_distributed(run_construction, 3):
         assert result["path"] == "whole" and "3 ranks" in result["refusal"], result
@@ -342,6 +345,7 @@ SET_UP = ["broadcast_object_list", "all_reduce"]
     ],
     ids=["off", "off_on_rank_1", "off_on_rank_0", "on"],
 )
+@pytest.mark.processes
 def test_switched_off_costs_no_collective_and_disagreement_falls_back(
     wanted: list[bool], expected_calls: list[str], expected_path: str
 ) -> None:
@@ -361,6 +365,7 @@ def test_switched_off_costs_no_collective_and_disagreement_falls_back(
     [([False, True], "whole"), ([True, True], "shared_memory")],
     ids=["off_on_rank_0", "on"],
 )
+@pytest.mark.processes
 def test_without_the_model_check_construction_issues_nothing_and_the_settings_check_asks(
     wanted: list[bool], expected_path: str
 ) -> None:
@@ -379,6 +384,7 @@ def test_without_the_model_check_construction_issues_nothing_and_the_settings_ch
     [(1, "tmpfile"), (1, "named"), (0, "tmpfile")],
     ids=["rank_1_killed", "rank_1_killed_named_file", "rank_0_killed"],
 )
+@pytest.mark.processes
 def test_a_rank_killed_during_set_up_leaves_nothing_in_dev_shm(victim: int, mode: str) -> None:
     """SIGKILL after rank 0 created the shared file and before both mapped it (``named``: on a file system
     without O_TMPFILE, where the file briefly has a name): no file of either rank's is left in /dev/shm, and
@@ -461,6 +467,7 @@ def _train_recording_grads(model: nn.Module, steps: int) -> list[dict[str, torch
     return grads
 
 
+@pytest.mark.processes
 def test_slots_survive_ranks_drifting_apart() -> None:
     """Ranks sleep at random points of forward and backward, so one rank's next iteration overlaps the
     other's adds: with the slots reused too early the sums would mix iterations and differ from torch's."""
@@ -482,6 +489,7 @@ def mlp_loss_as(model: nn.Module, step: int, dtype: torch.dtype) -> torch.Tensor
 
 
 @pytest.mark.parametrize("dtype_name", ["float64", "bfloat16", "float16"])
+@pytest.mark.processes
 def test_other_dtypes_sum_bit_identically_to_torch(dtype_name: str) -> None:
     results = run_distributed(run_dtype, 2, dtype_name)
     assert [result["path"] for result in results] == ["shared_memory"] * 2

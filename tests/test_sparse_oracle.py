@@ -176,6 +176,7 @@ def outcomes() -> list[dict[str, Any]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
+@pytest.mark.processes
 def test_sparse_gradients_like_torch(outcomes: list[dict[str, Any]], name: str) -> None:
     """Equality with torch after every step is asserted in the job; here: the gradients stayed sparse, each
     embedding had a bucket of its own, and the embedding trained."""
@@ -196,6 +197,7 @@ def run_three_ranks(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_three_ranks_like_torch() -> None:
     for outcome in run_distributed(run_three_ranks, 3, timeout=180):
         assert outcome["layouts"] == ["torch.sparse_coo"]
@@ -336,6 +338,7 @@ def run_join(rank: int, world_size: int, find_unused: bool) -> dict[str, torch.T
 
 @pytest.mark.slow
 @pytest.mark.parametrize("find_unused", [False, True])
+@pytest.mark.processes
 def test_join_with_sparse_gradients_like_torch(find_unused: bool) -> None:
     results = run_distributed(run_join, 2, find_unused, timeout=120)
     assert_same_tensors(results[0], results[1], "replicas after join", 0, 0)
@@ -353,6 +356,7 @@ def sparse_on_one_rank(rank: int, world_size: int) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_a_sparse_flag_set_on_one_rank_only_is_named_before_the_first_reduction() -> None:
     """The bucket plans would differ (a hang or a collective mismatch); the settings check names it."""
     for message in run_distributed(sparse_on_one_rank, 2, timeout=120):
@@ -381,6 +385,7 @@ def unfrozen_sparse_embedding(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_a_sparse_embedding_unfrozen_after_wrapping_is_averaged_sparse() -> None:
     for outcome in run_distributed(unfrozen_sparse_embedding, 2):
         assert outcome["moved"]

@@ -21,7 +21,7 @@ import lightning_ddpx
 from tests.dist_utils import run_distributed
 from tests.oracle import rank_batch, train_side_by_side
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 STEPS = 6
 SMALL_BUCKETS = {"bucket_cap_mb": 0.004, "first_bucket_cap_mb": 0.001}

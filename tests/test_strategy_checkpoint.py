@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from tests.dist_utils import run_distributed
 from tests.strategy_helpers import TinyRegressor, fit, parameters_of, quiet
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 POWERSGD = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 2}
 EPOCH_STEPS = 8  # 64 samples / 2 ranks / batch 4

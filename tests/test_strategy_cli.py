@@ -30,6 +30,7 @@ def hook_entry(checkpoint: Path) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_yaml_config_trains_on_two_processes(tmp_path):
     config = REPO_ROOT / "examples" / "configs" / "powersgd.yaml"
     checkpoint = run_cli(
@@ -44,6 +45,7 @@ def test_yaml_config_trains_on_two_processes(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_post_local_sgd_yaml_trains_and_checkpoints_its_counters(tmp_path):
     config = REPO_ROOT / "examples" / "configs" / "post_local_sgd.yaml"
     checkpoint = run_cli(
@@ -59,6 +61,7 @@ def test_post_local_sgd_yaml_trains_and_checkpoints_its_counters(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_command_line_flags_train_on_two_processes(tmp_path):
     flags = [
         "--trainer.accelerator=cpu",
@@ -116,6 +119,7 @@ def test_every_shipped_config_builds_its_strategy(config, cli_train, monkeypatch
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_lightning_demo_trains_checkpoints_and_resumes(tmp_path):
     command = [
         sys.executable,

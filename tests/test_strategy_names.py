@@ -14,7 +14,7 @@ import torch
 from tests.dist_utils import run_distributed
 from tests.strategy_helpers import TinyRegressor, fit, parameters_of, quiet
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 STEPS = 4
 REGISTERED = ("ddpx", "ddpx_find_unused_parameters_true", "ddpx_fp16", "ddpx_powersgd")

@@ -85,6 +85,7 @@ def fit_diverging(rank: int, world_size: int, checkpoint_dir: str | None) -> str
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy_name", ["plain", "overlap"])
 @pytest.mark.parametrize("callback", ["own", "BackboneFinetuning"])
+@pytest.mark.processes
 def test_a_backbone_unfrozen_mid_run_is_averaged(strategy_name: str, callback: str) -> None:
     ranks = run_distributed(fit_unfrozen, 2, strategy_name, callback, init_process_group=False, timeout=180)
     for name in ranks[0]:
@@ -95,6 +96,7 @@ def test_a_backbone_unfrozen_mid_run_is_averaged(strategy_name: str, callback: s
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_lightning_ddp_lets_the_unfrozen_backbone_diverge() -> None:
     """The bar: Lightning's "ddp" (torch's DDP) never averages the unfrozen layer; if this starts failing, the
     comparison in docs/engine.md is stale."""
@@ -104,6 +106,7 @@ def test_lightning_ddp_lets_the_unfrozen_backbone_diverge() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_divergence_fails_on_every_rank_at_the_next_verification() -> None:
     messages = run_distributed(fit_diverging, 2, None, init_process_group=False, timeout=180)
     for message in messages:
@@ -112,6 +115,7 @@ def test_divergence_fails_on_every_rank_at_the_next_verification() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_a_diverged_run_is_not_checkpointed(tmp_path: os.PathLike) -> None:
     messages = run_distributed(fit_diverging, 2, str(tmp_path), init_process_group=False, timeout=180)
     for message in messages:
@@ -120,6 +124,7 @@ def test_a_diverged_run_is_not_checkpointed(tmp_path: os.PathLike) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_fabric_verifies_every_n_steps_and_before_saving(tmp_path: os.PathLike) -> None:
     outcomes = run_distributed(fabric_diverging, 2, str(tmp_path), init_process_group=False, timeout=180)
     for out in outcomes:

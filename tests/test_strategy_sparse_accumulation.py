@@ -19,7 +19,7 @@ from torch import nn
 from tests.dist_utils import run_distributed
 from tests.strategy_helpers import TinyRegressor, fit, parameters_of, quiet
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 ACCUMULATE = 3
 STEPS = 3

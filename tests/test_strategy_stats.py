@@ -37,6 +37,7 @@ def read_stats_rows(log_dir: str) -> list[dict[str, str]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.processes
 def test_statistics_reach_the_csv_logger(tmp_path: os.PathLike, accumulate: int) -> None:
     log_dir = str(tmp_path)
     run_distributed(fit_with_csv_logger, 2, log_dir, 2, accumulate, init_process_group=False, timeout=180)
@@ -53,6 +54,7 @@ def test_statistics_reach_the_csv_logger(tmp_path: os.PathLike, accumulate: int)
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_statistics_reach_tensorboard(tmp_path: os.PathLike) -> None:
     pytest.importorskip("tensorboardX")
     from tensorboardX.event_file_writer import event_pb2  # the event protocol buffer, to read the file back

@@ -15,7 +15,7 @@ from torch import nn
 from tests.dist_utils import run_distributed
 from tests.strategy_helpers import TinyRegressor, fit, parameters_of, quiet
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 STEPS = 6
 

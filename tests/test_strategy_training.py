@@ -23,7 +23,7 @@ from tests.strategy_helpers import (
     quiet,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 ACCUMULATE = 3
 STEPS = 4

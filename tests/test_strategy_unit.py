@@ -150,6 +150,7 @@ def test_registered_names_build_our_strategy_as_lightning_builds_its_own(name):
     assert ours.comm_hook is None
 
 
+@pytest.mark.processes
 def test_import_lightning_ddpx_registers_the_names():
     code = (
         "import lightning_ddpx\n"

@@ -151,6 +151,7 @@ def threads_job(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_no_lightning_ddpx_thread_survives_fit_or_a_fabric_teardown():
     results = run_distributed(threads_job, 2, init_process_group=False, timeout=300, pg_timeout=120)
     for out in results:

@@ -301,6 +301,7 @@ def buffers_stay_local(rank: int, world_size: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_forward_sync_buffers_off_keeps_buffers_local_like_torchs() -> None:
     run_distributed(buffers_stay_local, 2)
 
@@ -329,6 +330,7 @@ def buffers_at_construction(rank: int, world_size: int) -> dict[str, list[float]
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_buffers_at_construction_follow_torchs_rule() -> None:
     ranks = run_distributed(buffers_at_construction, 2)
     for name in ("broadcast_buffers=False", "forward_sync_buffers=False", "default"):
@@ -351,6 +353,7 @@ def forwards_alone_then_training(rank: int, world_size: int) -> dict[str, torch.
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_a_rank_may_run_forwards_alone_before_training() -> None:
     ranks = run_distributed(forwards_alone_then_training, 2, timeout=60, pg_timeout=20)
     assert_same_tensors(ranks[0], ranks[1], "the averaged gradients", rtol=0, atol=0)
@@ -374,6 +377,7 @@ def wrapped_again(rank: int, world_size: int) -> dict[str, dict[str, torch.Tenso
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_a_module_wrapped_again_trains_like_torchs() -> None:
     for rank in run_distributed(wrapped_again, 2):
         assert_same_tensors(rank["ours"], rank["torch"], "gradients through the second wrapper", 1e-6, 1e-7)
@@ -397,6 +401,7 @@ def ignored_stay_local(rank: int, world_size: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_ignored_parameters_and_buffers_stay_local_like_torchs() -> None:
     """torch's ignore list (``_set_params_and_buffers_to_ignore_for_model``, Lightning's LightningModule
     attribute): not checked, broadcast nor reduced; every step equal to torch's on each rank."""
@@ -439,6 +444,7 @@ def set_static_graph_later(rank: int, world_size: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_set_static_graph_trains_like_torchs_with_checkpointing() -> None:
     run_distributed(set_static_graph_later, 2)
 
@@ -497,6 +503,7 @@ def copies_train_like_torchs(rank: int, world_size: int, how: str) -> dict[str, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["deepcopy", "torch_save_load"])
+@pytest.mark.processes
 def test_copies_train_like_torchs_copies(how: str) -> None:
     for refusals in run_distributed(copies_train_like_torchs, 2, how):
         ours, theirs = (
@@ -559,6 +566,7 @@ def ignored_pass_verification(rank: int, world_size: int) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_verify_replicas_leaves_torchs_ignored_tensors_out() -> None:
     """Tensors on torch's ignore list differ across ranks by design: replica verification skips them and
     still catches a synchronised parameter that diverges."""
@@ -623,6 +631,7 @@ def logging_data_of_both(rank: int, world_size: int, options: dict[str, Any]) ->
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(LOGGING_OPTIONS))
+@pytest.mark.processes
 def test_usage_logging_data_matches_torchs(name: str) -> None:
     """Every key ours gives has torch's value and type on the same model and options; ours gives at least
     FILLED_KEYS, and the rebuild, hook and static-graph keys exactly when torch's does."""
@@ -644,6 +653,7 @@ def test_usage_logging_data_matches_torchs(name: str) -> None:
         assert rank_data["ours 14 steps"]["iteration"] == 12
 
 
+@pytest.mark.processes
 def test_a_hook_failure_is_logged_as_torchs_verify_ddp_error_logged_expects() -> None:
     """torch's own test helper finds the error a hook returning no future raised in ``error``."""
     from torch.testing._internal.common_distributed import verify_ddp_error_logged
@@ -659,6 +669,7 @@ def test_a_hook_failure_is_logged_as_torchs_verify_ddp_error_logged_expects() ->
 
 
 @pytest.mark.parametrize("call", ["register_comm_hook", "sample_rate"])
+@pytest.mark.processes
 def test_refused_calls_are_logged_as_torchs(call: str) -> None:
     """A refused registration or sample rate: the same error type as torch's, and logged as torch logs it."""
     from torch.testing._internal.common_distributed import verify_ddp_error_logged

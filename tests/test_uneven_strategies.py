@@ -161,6 +161,7 @@ def trainer_results(request, tmp_path_factory) -> tuple[int, list[dict[str, Any]
     ["iterable=False", "iterable=True", "manual"],
     ids=["sized_loader", "iterable_dataset", "manual_opt"],
 )
+@pytest.mark.processes
 def test_trainer_uneven_epochs_end_together_and_match_the_oracle(trainer_results, variant) -> None:
     world_size, results = trainer_results
     expected = oracle(COUNTS[world_size], EPOCHS)
@@ -172,6 +173,7 @@ def test_trainer_uneven_epochs_end_together_and_match_the_oracle(trainer_results
             torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
 
 
+@pytest.mark.processes
 def test_trainer_error_mode_names_every_rank_and_its_batch_count(trainer_results) -> None:
     world_size, results = trainer_results
     counts = ", ".join(f"rank {r}: {n}" for r, n in enumerate(COUNTS[world_size]))
@@ -179,6 +181,7 @@ def test_trainer_error_mode_names_every_rank_and_its_batch_count(trainer_results
         assert "uneven_inputs='error'" in result["error"] and counts in result["error"], result["error"]
 
 
+@pytest.mark.processes
 def test_trainer_resumes_from_a_checkpoint_taken_in_the_uneven_part_of_an_epoch(trainer_results) -> None:
     world_size, results = trainer_results
     for rank, result in enumerate(results):
@@ -226,6 +229,7 @@ def fabric_job(rank: int, world_size: int, mode: str) -> Any:
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.processes
 def test_fabric_uneven_loop_ends_together_and_matches_the_oracle(world_size: int) -> None:
     results = run_distributed(fabric_job, world_size, "join", init_process_group=False, timeout=120)
     expected = oracle(COUNTS[world_size], EPOCHS)
@@ -238,6 +242,7 @@ def test_fabric_uneven_loop_ends_together_and_matches_the_oracle(world_size: int
             torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
 
 
+@pytest.mark.processes
 def test_fabric_error_mode_names_the_batch_counts() -> None:
     results = run_distributed(fabric_job, 2, "error", init_process_group=False, timeout=120)
     assert all("rank 0: 10, rank 1: 7" in message for message in results), results
@@ -272,6 +277,7 @@ def count_allreduces(rank: int, world_size: int, kind: str) -> dict[str, int]:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_even_map_style_loaders_iterate_without_a_collective_per_batch() -> None:
     """Equal lengths of map-style loaders (what Lightning's DistributedSampler gives) prove equal batch
     counts: only the one length exchange at set-up. An IterableDataset's length proves nothing, so it
@@ -355,6 +361,7 @@ def mid_epoch_resume_job(rank: int, world_size: int, directory: str) -> dict:
     return {"continuous": continuous, "resumed": resumed}
 
 
+@pytest.mark.processes
 def test_a_mid_epoch_resume_with_a_stateful_loader_continues_exactly(tmp_path) -> None:
     """Lightning restores a stateful loader mid-epoch from its saved state: the batch the lockstep fetched
     ahead must not count, or the resumed run skips it."""

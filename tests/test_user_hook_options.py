@@ -246,6 +246,7 @@ def built_with_options(rank: int, world_size: int, factors: list[float]) -> dict
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_ranks_given_different_options_fail_before_the_first_step() -> None:
     results = run_distributed(built_with_options, 2, [0.5, 1.0], pg_timeout=6.0, timeout=120)
     for result in results:
@@ -255,6 +256,7 @@ def test_ranks_given_different_options_fail_before_the_first_step() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_ranks_given_the_same_options_train_with_them() -> None:
     results = run_distributed(built_with_options, 2, [0.5, 0.5], pg_timeout=6.0, timeout=120)
     expected = 0.5 * torch.full((1, 3), 2.0 * (1 + 2) / 2)  # half the mean over ranks of 2 rows of (rank + 1)

@@ -54,12 +54,14 @@ def test_the_lists_name_candidates() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_torch_class_passes_every_candidate(tmp_path: Path) -> None:
     outcomes = run_driver("torch", tmp_path)
     assert not failures(outcomes, list(CANDIDATES), "passed")
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_our_class_passes_torch_cases(tmp_path: Path) -> None:
     outcomes = run_driver("ours", tmp_path)
     driven = [name for name in CANDIDATES if name not in EXCLUDED and name not in PENDING]
