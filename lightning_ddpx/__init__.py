@@ -3,8 +3,8 @@
 The engine's names (``DistributedDataParallel``, ``GradBucket``, ...) import torch only. The Lightning
 names (``DDPXStrategy``, ``AtomicCheckpointIO``, the ``fabric`` module) are loaded on first use, and the
 strategy names (``strategy="ddpx"``, ...) are registered with Lightning as soon as Lightning is imported,
-before or after this package. Layers: ``engine/`` <- ``hooks/`` <- ``lightning/``; tooling in ``bench/``;
-see docs/dev/architecture.md.
+before or after this package. Layers: ``engine/`` <- ``hooks/`` <- ``fault/`` <- ``lightning/``; tooling in
+``bench/``; see docs/dev/architecture.md.
 """
 
 from __future__ import annotations

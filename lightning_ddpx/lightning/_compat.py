@@ -1,4 +1,5 @@
-"""Private Lightning names lightning_ddpx uses: why, and since which Lightning version (our floor is 2.4).
+"""Private Lightning names lightning_ddpx uses: why, and since which Lightning version (our floor is 2.5,
+pyproject.toml's).
 
 The Lightning layer's own compat module (see lightning_ddpx/_compat/__init__.py for the rule and why it
 lives here).
