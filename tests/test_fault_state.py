@@ -77,3 +77,71 @@ def test_the_digest_tells_dtype_shape_and_order_apart():
     assert digest([1, 2]) != digest([2, 1])
     assert digest({"a": 1, "b": 2}) == digest({"b": 2, "a": 1})
     assert digest(copy.deepcopy(checkpoint())) == digest(checkpoint())
+
+
+def test_a_loggers_failure_in_a_training_process_is_reported_once_and_training_goes_on(caplog):
+    """contain_logger_failures: every call Lightning makes on a logger (metrics, hyper-parameters, save,
+    finalize...) that raises is reported once per logger and call, at WARNING, and returns; a logger that
+    works is untouched in what it records."""
+    from types import SimpleNamespace
+
+    from lightning_ddpx.lightning.fault_tolerance_launch import contain_logger_failures
+
+    class Broken:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def log_metrics(self, metrics, step=None):
+            self.calls += 1
+            raise OSError("No space left on device")
+
+        def save(self):
+            raise ValueError("dict contains fields not in fieldnames: 'val_loss'")
+
+    class Working:
+        def __init__(self) -> None:
+            self.rows = []
+
+        def log_metrics(self, metrics, step=None):
+            self.rows.append((step, metrics))
+
+    broken, working = Broken(), Working()
+    trainer = SimpleNamespace(loggers=[broken, working])
+    contain_logger_failures(trainer)
+    contain_logger_failures(trainer)  # twice (a second fit's set-up): wrapped once
+    with caplog.at_level("WARNING"):
+        for step in range(3):
+            broken.log_metrics({"loss": 1.0}, step)
+            broken.save()
+            working.log_metrics({"loss": 1.0}, step)
+    assert broken.calls == 3 and working.rows == [(s, {"loss": 1.0}) for s in range(3)]
+    reports = [r.getMessage() for r in caplog.records if "training goes on" in r.getMessage()]
+    assert len(reports) == 2, reports  # one per failing call, not per step
+    assert any("Broken.log_metrics failed (OSError: No space left on device)" in r for r in reports)
+    assert any("Broken.save failed (ValueError" in r for r in reports)
+
+
+def test_a_new_rank_0s_csv_writer_continues_a_file_whose_columns_grew_after_it_started(tmp_path):
+    """The lost rank 0 added columns (val_loss) after the process that becomes rank 0 had started its
+    writer; that writer's first save (with a column of its own, LearningRateMonitor's) keeps every row and
+    column already in metrics.csv."""
+    import csv
+
+    from lightning.fabric.loggers.csv_logs import _ExperimentWriter
+
+    from lightning_ddpx.lightning._compat import ContinuingCSVWriter
+
+    first = _ExperimentWriter(str(tmp_path))
+    first.log_metrics({"train_loss": 1.0}, step=0)
+    first.save()
+    later_rank_0 = ContinuingCSVWriter(str(tmp_path))  # started now, while the first still writes
+    first.log_metrics({"train_loss": 0.9, "val_loss": 0.8}, step=1)
+    first.save()  # the first rewrites the header with val_loss, then is lost
+    later_rank_0.log_metrics({"train_loss": 0.7, "lr-Adam": 0.01}, step=2)
+    later_rank_0.save()
+    later_rank_0.log_metrics({"val_loss": 0.6}, step=3)
+    later_rank_0.save()
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert [row["step"] for row in rows] == ["0", "1", "2", "3"]
+    assert [row["val_loss"] for row in rows] == ["", "0.8", "", "0.6"]
+    assert rows[2]["lr-Adam"] == "0.01" and rows[1]["train_loss"] == "0.9"
