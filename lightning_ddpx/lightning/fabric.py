@@ -322,7 +322,8 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
                     self.fault_manager.average_after_step(self._optimizers)
                 else:
                     post_local_sgd_setup.average_after_step(module, self._optimizers)
-        self._between_steps(self._replicas.after_optimizer_step, None)  # a collective between steps
+        # the verification, when due, is a collective between steps
+        self._replicas.after_optimizer_step(around=lambda verify: self._between_steps(verify, None))
         return output
 
     @override

@@ -11,7 +11,7 @@ checkpoint holds rank 0's weights only and would hide the divergence for good.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from lightning_ddpx.engine.module.data_parallel import DistributedDataParallel
 
@@ -50,19 +50,45 @@ class ReplicaVerifier:
         alive = [ref() for ref in self._modules]
         return [module for module in alive if module is not None]
 
-    def after_optimizer_step(self, modules: Optional[Iterable[DistributedDataParallel]] = None) -> None:
-        """One optimizer step happened; verify ``modules`` (default: the tracked ones) if it is the N-th."""
+    def after_optimizer_step(
+        self,
+        modules: Optional[Iterable[DistributedDataParallel]] = None,
+        around: Optional[Callable[[Callable[[], None]], None]] = None,
+    ) -> None:
+        """One optimizer step happened; verify ``modules`` (default: the tracked ones) if it is the N-th.
+        ``around(verify)`` runs the verification, the only collective here (fault tolerance: a collective
+        between steps, voted on); it is not called when nothing is verified."""
         if self.every_n_steps is None:
             return
         self.steps += 1
         if self.steps % self.every_n_steps == 0:
             what = f"every {self.every_n_steps} optimizer steps"
-            for module in self.modules() if modules is None else modules:
-                module.verify_replicas(step=self.steps, what=what)
+            self._verify(modules, what, around)
 
-    def before_save(self, modules: Optional[Iterable[DistributedDataParallel]] = None) -> None:
+    def before_save(
+        self,
+        modules: Optional[Iterable[DistributedDataParallel]] = None,
+        around: Optional[Callable[[Callable[[], None]], None]] = None,
+    ) -> None:
         """A checkpoint is about to be written: verify ``modules`` (default: the tracked ones) first."""
         if self.every_n_steps is None:
             return
-        for module in self.modules() if modules is None else modules:
-            module.verify_replicas(step=self.steps, what="before saving a checkpoint")
+        self._verify(modules, "before saving a checkpoint", around)
+
+    def _verify(
+        self,
+        modules: Optional[Iterable[DistributedDataParallel]],
+        what: str,
+        around: Optional[Callable[[Callable[[], None]], None]],
+    ) -> None:
+        chosen = list(self.modules() if modules is None else modules)
+
+        def verify() -> None:
+            for module in chosen:
+                module.verify_replicas(step=self.steps, what=what)
+
+        (around or _call)(verify)
+
+
+def _call(run: Callable[[], None]) -> None:
+    run()

@@ -320,8 +320,8 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             )
             if self._averaging is not None and self.comm_stats_every_n_steps and trainer is not None:
                 diloco_setup.log_outer_syncs(self._hook_state, trainer)  # DiLoCo: bytes of each outer sync
-            self._fault.between_steps(
-                lambda: self._replicas.after_optimizer_step(self._our_model()), lambda: None
+            self._replicas.after_optimizer_step(
+                self._our_model(), around=lambda verify: self._fault.between_steps(verify, lambda: None)
             )
             return output
         if self.overlap_optimizer:
@@ -562,7 +562,9 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         Weights-only checkpoints (no optimizer states) stay weights only.
         """
         if self._fault is not None:  # the hook's shared state in the membership record; its rank 0 writes
-            self._fault.between_steps(lambda: self._replicas.before_save(self._our_model()), lambda: None)
+            self._replicas.before_save(
+                self._our_model(), around=lambda verify: self._fault.between_steps(verify, lambda: None)
+            )
             if self._fault.fault is not None:
                 checkpoint[CHECKPOINT_KEY] = self._fault.membership_record()
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
