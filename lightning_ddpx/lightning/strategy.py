@@ -567,7 +567,13 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             )
             if self._fault.fault is not None:
                 checkpoint[CHECKPOINT_KEY] = self._fault.membership_record()
-            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+            def write() -> None:
+                super(DDPXStrategy, self).save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+            # voted on: if rank 0 is lost before or while writing, the new rank 0 writes it, so that the
+            # file exists wherever ModelCheckpoint records it (outside a training process: written as usual)
+            self._fault.between_steps(write, write)
             return
         self._replicas.before_save(self._our_model())  # a diverged run must not be saved as rank 0's weights
         if self._averaging is not None and "optimizer_states" in checkpoint and dist.is_initialized():
@@ -583,6 +589,18 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             if entry is not None:
                 checkpoint[checkpoint_state.CHECKPOINT_KEY] = entry
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: PATH) -> None:
+        """With fault_tolerance, voted on as a save is: a file ModelCheckpoint drops from its top-k is
+        removed by whichever process is rank 0 once every member agreed, not left behind by a lost one."""
+        if self._fault is None:
+            return super().remove_checkpoint(filepath)
+
+        def remove() -> None:
+            super(DDPXStrategy, self).remove_checkpoint(filepath)
+
+        self._fault.between_steps(remove, remove)
 
     @override
     def load_checkpoint(self, checkpoint_path: PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
