@@ -66,11 +66,7 @@ def expected_steps(logs: dict, accumulate: int = 1) -> int:
 
 
 def assert_one_training(
-    logs: dict,
-    main: dict,
-    epochs: int = EPOCHS,
-    steps_per_epoch: int = STEPS_PER_EPOCH,
-    total_steps: int | None = None,
+    logs: dict, main: dict, epochs: int = EPOCHS, accumulate: int = 1, total_steps: int | None = None
 ) -> None:
     digests: dict[int, set[tuple[str, str]]] = defaultdict(set)
     for uid, lines in logs.items():
@@ -81,9 +77,7 @@ def assert_one_training(
             digests[int(step)].add((digest, hook))  # parameters and PowerSGD's shared state
     split = {step: found for step, found in digests.items() if len(found) > 1}
     assert not split, f"members applied different updates at global steps {split}"
-    expected = (
-        total_steps if total_steps is not None else expected_steps(logs, STEPS_PER_EPOCH // steps_per_epoch)
-    )
+    expected = total_steps if total_steps is not None else expected_steps(logs, accumulate)
     assert len({int(line[5]) for lines in logs.values() for line in lines}) == epochs
     assert main["global_step"] == expected, (main["global_step"], expected)
     assert main["digest"] == digests[max(digests)].pop()[0], (
@@ -262,7 +256,7 @@ def test_a_collective_between_steps_failing_on_one_member_is_run_again_and_costs
     assert "no peer answered" not in stderr  # nobody waited out a collective
     by_step = {int(line[4]): line[7] for line in logs["00000"]}  # after each global step's last micro-batch
     assert len(set(by_step.values())) == len(by_step), f"an update was applied nowhere: {by_step}"
-    assert_one_training(logs, main, epochs=2, steps_per_epoch=STEPS_PER_EPOCH // accumulate)
+    assert_one_training(logs, main, epochs=2, accumulate=accumulate)
 
 
 @pytest.mark.slow

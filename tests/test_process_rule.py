@@ -7,6 +7,7 @@ the test's own guard would fail them."""
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.util
 import os
 import subprocess
 import sys
@@ -32,7 +33,9 @@ _INNER_INI = (
         lambda: subprocess.run([sys.executable, "-c", "pass"]),
         lambda: multiprocessing.get_context("fork").Process(target=print).start(),
         lambda: multiprocessing.get_context("spawn").Process(target=print).start(),
-        lambda: multiprocessing.get_context("forkserver").Queue(),  # the resource tracker
+        # how multiprocessing starts its helpers (the resource tracker, the forkserver); called directly, since
+        # in a full run an earlier test may already have started the resource tracker
+        lambda: multiprocessing.util.spawnv_passfds(sys.executable, [sys.executable, "-c", "pass"], []),
         lambda: os.fork(),  # looked up at the call, as every caller does
         lambda: os.system("true"),
         lambda: os.posix_spawn(sys.executable, [sys.executable, "-c", "pass"], os.environ),
