@@ -1,11 +1,12 @@
 """Restart after a lost rank under torchrun: resume from the last checkpoint, PowerSGD state included.
 
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone \\
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone \\
         --nproc-per-node 2 --max-restarts 1 examples/torchrun_resume.py --workdir /tmp/ddpx_restart
 
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` makes every attempt start a fresh TCP store: with torch's default
-(the agent's store shared by all attempts) the restarted process group can find the dead rank's keys and
-fail to connect or hang (pytorch/pytorch#135712; docs/checkpointing.md).
+torchrun's agent keeps one TCP store for every attempt, and a killed attempt's keys stay in it; the strategy
+creates each attempt's process group on that attempt's own keys (``lightning_ddpx/lightning/restart_rendezvous.py``),
+so a restart connects without ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (pytorch/pytorch#135712;
+docs/checkpointing.md).
 
 torchrun starts 2 processes; Lightning sees torchrun's environment (``TorchElasticEnvironment``) and launches
 nothing itself. Training uses ``DDPXStrategy`` with PowerSGD (compressing from step 2) and a
@@ -115,12 +116,6 @@ def main() -> None:
 
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank = int(os.environ["RANK"])
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and rank == 0:
-        print(
-            "warning: torchrun shares its TCP store across attempts; a restart may fail to connect or hang. "
-            "Run torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (see this script's docstring).",
-            flush=True,
-        )
     checkpoint_dir = os.path.join(args.workdir, "checkpoints")
     os.makedirs(args.workdir, exist_ok=True)
     last = os.path.join(checkpoint_dir, "last.ckpt")

@@ -415,21 +415,9 @@ class FaultTolerance:
             return fallback()
         while True:
             self._at_boundary(admit=False)  # a failed step's regroup, before the collective
-            error = None
-            try:
-                result = run()
-            except Exception as failure:  # noqa: BLE001 - only communication failures are voted on
-                error = self._failure_to_vote(failure)
-                if error is None:
-                    raise
-                del failure
-                self._release_group()
-            self._attempt += 1
-            decision = self._vote(error is None)
+            result, decision, error = self._run_voted(run)
             if decision != ABORT:
-                self._recovered()
-                self._admission_waiting = self._admission_waiting or decision == COMMIT_AND_ADMIT
-                return result
+                return result  # type: ignore[return-value]
             if error is None:
                 self._release_group()
             self._failed_at = self._failed_at or time.monotonic()
@@ -473,22 +461,12 @@ class FaultTolerance:
         saved_params = [p.detach().clone() for p in params]
         saved_state = averaging.state_dict()
         while True:
-            error = None
-            try:
-                changed = model.average_parameters_after_step(optimizers)
-            except Exception as failure:  # noqa: BLE001 - only communication failures are voted on
-                error = self._failure_to_vote(failure)
-                if error is None:
-                    raise
-                del failure
-                self._release_group()
-            self._attempt += 1
-            decision = self._vote(error is None)
+            changed, decision, error = self._run_voted(
+                lambda: model.average_parameters_after_step(optimizers)
+            )
             if decision != ABORT:
-                self._recovered()  # a failed average rerun: the survivors are going again
-                self._admission_waiting = self._admission_waiting or decision == COMMIT_AND_ADMIT
                 self._at_boundary(admit)  # waiting newcomers join here (the Trainer: at an epoch's start)
-                return changed
+                return bool(changed)
             with torch.no_grad():
                 for param, saved in zip(params, saved_params):
                     param.copy_(saved)
@@ -503,6 +481,28 @@ class FaultTolerance:
             )
             self._pending = "an outer step failed"
             self._at_boundary(admit=False)
+
+    def _run_voted(self, run: Callable[[], _Result]) -> tuple[_Result | None, str, str | None]:
+        """``run()`` between steps as a voted section: a communication failure in it becomes this member's
+        ``abort`` (its group released, so that peers blocked on it fail at once); any other error makes the
+        others abort and propagates. Returns ``run()``'s result (``None`` when it failed), the decision every
+        member reads, and this member's failure (its first line) or ``None``. A decision other than
+        ``abort`` ends a recovery, and one that saw newcomers waiting has them admitted when allowed."""
+        result, error = None, None
+        try:
+            result = run()
+        except Exception as failure:  # noqa: BLE001 - only communication failures are voted on
+            error = self._failure_to_vote(failure)
+            if error is None:
+                raise
+            del failure
+            self._release_group()
+        self._attempt += 1
+        decision = self._vote(error is None)
+        if decision != ABORT:
+            self._recovered()  # a failed section rerun: the survivors are going again
+            self._admission_waiting = self._admission_waiting or decision == COMMIT_AND_ADMIT
+        return result, decision, error
 
     def _vote(self, ok: bool) -> str:
         """This member's vote on attempt ``self._attempt`` (:func:`~lightning_ddpx.fault.commit.vote`); a

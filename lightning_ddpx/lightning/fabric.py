@@ -67,6 +67,7 @@ from lightning_ddpx.lightning.options import takes_ddpx_options
 from lightning_ddpx.lightning.popen_launcher import FabricPopenLauncher
 from lightning_ddpx.lightning.process_exit import destroy_process_group_at_exit
 from lightning_ddpx.lightning.replica_verification import ReplicaVerifier
+from lightning_ddpx.lightning.restart_rendezvous import create_default_group
 from lightning_ddpx.lightning.uneven import StepInfo, StepQueue
 
 __all__ = ["DDPXStrategy", "take_comm_stats"]
@@ -193,7 +194,12 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         """With fault_tolerance: join the run (its group is the membership's); see docs/fault-tolerance.md."""
         options = self.ddpx_config.fault_tolerance
         if options is None:
-            return super()._setup_distributed()
+            self._set_world_ranks()
+            # torchrun shares its store across restarts: this round's keys only (lightning.restart_rendezvous)
+            create_default_group(
+                self.cluster_environment, self._get_process_group_backend(), self._timeout, self.root_device
+            )
+            return super()._setup_distributed()  # Lightning's creation, when that created none
         if self._get_process_group_backend() != "gloo":
             raise ValueError(
                 "DDPXStrategy: fault_tolerance needs the gloo backend (process_group_backend='gloo'), got "

@@ -220,17 +220,7 @@ class TrainerFaultTolerance:
     # ---------------------------------------------------------------------------------- the epochs
     def watch_samplers(self, dataloader: Any) -> None:
         """Follow the training loader's ``DistributedSampler``: its ``set_epoch`` is each epoch's boundary."""
-        for sampler in _distributed_samplers(dataloader):
-            if any(sampler is known for known in self._samplers):
-                continue
-            self._samplers.append(sampler)
-            set_epoch = sampler.set_epoch
-
-            def set_epoch_at_boundary(epoch: int, _set_epoch: Callable[[int], None] = set_epoch) -> None:
-                self.epoch_boundary()
-                _set_epoch(epoch)
-
-            sampler.set_epoch = set_epoch_at_boundary  # type: ignore[method-assign]
+        _follow_set_epoch(dataloader, self._samplers, self.epoch_boundary)
         self._sharded_for = None  # a loader built now is sharded by the current membership: check at start
 
     def epoch_boundary(self) -> None:
@@ -293,17 +283,7 @@ class TrainerFaultTolerance:
         """Follow a validation loader's ``DistributedSampler``: the validation loop sets its epoch at each
         validation's start, where it is resharded over the members present (and the loop's batch count with
         it), so that every validation covers its data once over them."""
-        for sampler in _distributed_samplers(dataloader):
-            if any(sampler is known for known in self._validation_samplers):
-                continue
-            self._validation_samplers.append(sampler)
-            set_epoch = sampler.set_epoch
-
-            def set_epoch_resharded(epoch: int, _set_epoch: Callable[[int], None] = set_epoch) -> None:
-                self._reshard_validation()
-                _set_epoch(epoch)
-
-            sampler.set_epoch = set_epoch_resharded  # type: ignore[method-assign]
+        _follow_set_epoch(dataloader, self._validation_samplers, self._reshard_validation)
         self._validation_sharded_for = None
 
     def _reshard_validation(self) -> None:
@@ -463,6 +443,22 @@ def _gather_objects(value: Any) -> list[Any]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, value)
     return gathered
+
+
+def _follow_set_epoch(dataloader: Any, known: list[DistributedSampler], before: Callable[[], None]) -> None:
+    """Each ``DistributedSampler`` of ``dataloader`` not in ``known`` yet (added to it) calls ``before()``
+    whenever the loop sets its epoch, before the epoch is set: where the loop starts an epoch."""
+    for sampler in _distributed_samplers(dataloader):
+        if any(sampler is seen for seen in known):
+            continue
+        known.append(sampler)
+        set_epoch = sampler.set_epoch
+
+        def set_epoch_after(epoch: int, _set_epoch: Callable[[int], None] = set_epoch) -> None:
+            before()
+            _set_epoch(epoch)
+
+        sampler.set_epoch = set_epoch_after  # type: ignore[method-assign]
 
 
 def _distributed_samplers(dataloader: Any) -> list[DistributedSampler]:
