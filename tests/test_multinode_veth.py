@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -161,6 +162,42 @@ def test_veth_link_creates_shaped_pair_and_always_deletes_it() -> None:
             assert first.command(1, ["true"])[:4] == ["ip", "netns", "exec", first.namespaces[1]]
             raise KeyboardInterrupt  # Ctrl-C inside the block: both links must still go
     assert not (set(first.namespaces) | set(second.namespaces)) & namespaces()
+
+
+_HOLDS_A_LINK = """
+import subprocess, sys, time
+from lightning_ddpx.bench.netns import VethLink
+with VethLink(prefix="ddpxtest") as link:
+    child = subprocess.Popen(link.command(0, ["sleep", "60"]))
+    print(" ".join(link.namespaces), child.pid, flush=True)
+    try:
+        time.sleep(60)
+    finally:
+        child.kill()
+        child.wait()
+"""
+
+
+@needs_netns
+@pytest.mark.processes
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_process_stopped_by_a_signal_deletes_its_links(signum: int) -> None:
+    """As ``timeout`` or a CI runner stops a benchmark: the signal exits through Python, so the ``with``
+    block and the exit handler delete both namespaces (and the benchmark's own ``finally`` its children)."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", _HOLDS_A_LINK], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        *names, child = process.stdout.readline().split()
+        assert set(names) <= namespaces(), names
+        process.send_signal(signum)
+        assert process.wait(timeout=30) == 128 + signum
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert not set(names) & namespaces(), f"left behind: {set(names) & namespaces()}"
+    assert not os.path.exists(f"/proc/{child}") or "Z" in open(f"/proc/{child}/stat").read().split()[2]
 
 
 @needs_netns
