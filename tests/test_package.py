@@ -90,3 +90,16 @@ def test_digits_split_is_complete_and_scaled():
 def test_demo_uses_our_module_unless_told_otherwise():
     assert demo.parse_args([]).reference is False
     assert demo.parse_args(["--reference"]).reference is True
+
+
+@pytest.mark.processes
+def test_importing_the_engine_does_not_load_dynamo():
+    """``import lightning_ddpx`` (the engine, what a bare-module run or its fault-tolerant replacement
+    imports) leaves ``torch._dynamo`` unloaded: over a second of start-up on a 2-core CPU. The methods kept
+    out of compiled graphs are disabled for torch.compile once dynamo is loaded (tests/test_compile.py)."""
+    import subprocess
+
+    probe = "import sys, lightning_ddpx; print('torch._dynamo' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"

@@ -7,6 +7,8 @@ functions where an attribute chain or a lazy import (``torch._dynamo`` costs a s
 from __future__ import annotations
 
 import contextlib
+import functools
+import sys
 from collections import OrderedDict
 from typing import Any, Callable, Iterable, Iterator
 
@@ -16,6 +18,7 @@ from torch.distributed.algorithms.join import _JoinConfig
 
 __all__ = [
     "AnyFuture",
+    "eager_under_compile",
     "JoinConfig",
     "aot_compiles",
     "allow_non_fake_inputs",
@@ -78,6 +81,27 @@ profiler_enabled: Callable[[], bool] = torch.autograd._profiler_enabled
 foreach_copy_: Callable[..., Any] = torch._foreach_copy_
 foreach_add_: Callable[..., Any] = torch._foreach_add_
 foreach_sub_: Callable[..., Any] = torch._foreach_sub_
+
+
+def eager_under_compile(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compiler.disable(function)``, applied at its first call once ``torch._dynamo`` is loaded.
+
+    Decorating with ``torch.compiler.disable`` imports ``torch._dynamo``, over a second on a 2-core CPU, for
+    every process that imports the module defining the function, even when nothing is compiled (a
+    fault-tolerant run's replacement pays it before it can be healed). Nothing can trace the function before
+    dynamo is loaded, so until then the plain function runs. Public ``torch.compiler.disable``; the check is
+    on ``sys.modules``."""
+    disabled: list[Callable[..., Any]] = []
+
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if "torch._dynamo" not in sys.modules:
+            return function(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch.compiler.disable(function))
+        return disabled[0](*args, **kwargs)
+
+    return call
 
 
 def sparse_nnz_bytes(tensor: torch.Tensor) -> int:

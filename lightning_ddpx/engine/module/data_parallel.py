@@ -18,6 +18,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from lightning_ddpx._compat.torch import (
     JoinConfig,
+    eager_under_compile,
     inputs_to_device,
     params_and_buffers_to_ignore,
     set_params_and_buffers_to_ignore,
@@ -415,7 +416,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # The reducer's bookkeeping is Python state (phases, bucket rebuilds, collectives): under torch.compile it
     # runs eagerly, outside the graph, so the compiled graph holds only the module's computation.
-    @torch.compiler.disable
+    @eager_under_compile
     @errors_logged
     def _before_forward(self) -> bool:
         will_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
@@ -439,7 +440,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.synced_buffers.broadcast(self.process_group, buffers_src)
         return will_sync
 
-    @torch.compiler.disable
+    @eager_under_compile
     def _after_forward(self, output: Any, will_sync: bool) -> None:
         # A forward that does not synchronise (grad disabled, no_sync) leaves an armed reducer armed, as
         # torch's does: the backward of the synchronising forward before it still averages.
