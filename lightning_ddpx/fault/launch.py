@@ -77,6 +77,7 @@ __all__ = [
     "KEY_INITIAL_WORLD_SIZE",
     "KEY_REPLACEMENTS_STARTED",
     "Supervisor",
+    "exit_reason",
     "main",
 ]
 
@@ -256,7 +257,7 @@ class Supervisor:
             if code == 0:
                 self._store.set(KEY_FINISHED + uid, "0")
             else:
-                self._store.set(KEY_DEAD + uid, _reason(code))
+                self._store.set(KEY_DEAD + uid, exit_reason(code))
                 self._store.add(KEY_DEAD_COUNT, 1)
         except dist.DistError as error:
             if self._hosting:
@@ -337,7 +338,7 @@ class Supervisor:
         self.uids_lost.append(uid)
         if code > 0 and self._first_exit_code is None:
             self._first_exit_code = code
-        self._log(f"{_LOG_PREFIX}process {uid} (pid {process.pid}) lost: {_reason(code)}")
+        self._log(f"{_LOG_PREFIX}process {uid} (pid {process.pid}) lost: {exit_reason(code)}")
         why = None
         if self._replacements_left == 0 or self._store_lost:
             why = "the store is gone" if self._store_lost else "no replacement left"
@@ -463,9 +464,9 @@ def _kill_group(process: subprocess.Popen, signum: int) -> None:
         os.killpg(process.pid, signum)
 
 
-def _reason(code: int) -> str:
+def exit_reason(code: int) -> str:
     """``killed by SIGKILL`` for a negative return code (Popen's way of saying "a signal"), else
-    ``exit code N``."""
+    ``exit code N`` (the supervisor's log and the membership records; the popen launcher's messages)."""
     if code >= 0:
         return f"exit code {code}"
     try:

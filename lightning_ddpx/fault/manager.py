@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_ddpx.engine.agreement.errors import CommunicationError, as_communication_error
+from lightning_ddpx.engine.agreement.errors import is_communication_failure
 from lightning_ddpx.engine.agreement.replica_check import verify_replicas
 from lightning_ddpx.engine.module.data_parallel import DistributedDataParallel
 from lightning_ddpx.fault.commit import ABORT, COMMIT_AND_ADMIT, vote
@@ -289,7 +289,7 @@ class FaultTolerance:
                 self._skip_transfer = True
                 return True
             except Exception as error:  # noqa: BLE001 - communication failures regroup; others propagate
-                if not _is_communication_failure(error):
+                if not is_communication_failure(error):
                     raise
                 self._pending = f"a member was lost while this newcomer was healed ({_first_line(error)})"
                 _forget_frames(error)
@@ -523,7 +523,7 @@ class FaultTolerance:
         becomes its ``abort`` reason (its first line: text only, and the finished frames it holds cleared, as
         the traceback would keep the old group alive); for any other error the others are told to abort and
         ``None`` says to re-raise it."""
-        if not _is_communication_failure(error):
+        if not is_communication_failure(error):
             self._abandon_step()  # the others must not wait for this member's vote
             return None
         _forget_frames(error)
@@ -573,7 +573,7 @@ class FaultTolerance:
                     self._heal()
                     self._heal_due = False
             except Exception as error:  # noqa: BLE001 - communication failures regroup; others propagate
-                if not _is_communication_failure(error):
+                if not is_communication_failure(error):
                     raise
                 self._pending = f"a member was lost while the membership changed ({_first_line(error)})"
                 _forget_frames(error)  # its frames would keep the failed group's connections open
@@ -593,7 +593,7 @@ class FaultTolerance:
                 self._enter(generation)
                 break
             except RuntimeError as error:  # a member of the record did not arrive: it was lost meanwhile
-                if not _is_communication_failure(error) and "timeout" not in str(error).lower():
+                if not is_communication_failure(error) and "timeout" not in str(error).lower():
                     raise
                 current, reason = generation, f"a member of generation {generation.number} did not arrive"
         if self.model is not None:
@@ -882,12 +882,6 @@ def _broadcast_bytes(payload: bytes | None, source: int) -> bytes:
     )
     dist.broadcast(data, source)
     return payload if payload is not None else data.numpy().tobytes()
-
-
-def _is_communication_failure(error: BaseException) -> bool:
-    if isinstance(error, (CommunicationError, dist.DistError)):
-        return True
-    return isinstance(error, RuntimeError) and as_communication_error(error, "", None) is not None
 
 
 def _first_line(cause: Any) -> str:

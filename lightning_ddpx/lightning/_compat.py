@@ -235,14 +235,13 @@ def parse_num_batches(length: Any, limit: Any, validation: bool = False) -> Any:
 
 
 def combined_length(combined: Any, limits: list[Any]) -> Any:
-    """How many batches ``combined`` (a CombinedLoader) gives once its iterator is built with ``limits``,
-    by its mode's rule (its ``len()`` answers for the iterator built last, before new limits). >= 2.0;
-    checked on 2.6.6."""
-    lengths = [min(len(loader), limit) for loader, limit in zip(combined.flattened, limits)]
-    mode = getattr(combined, "_mode", "max_size_cycle")
-    if mode == "sequential":
-        return sum(lengths)
-    return min(lengths) if mode == "min_size" else max(lengths)
+    """How many batches ``combined`` (a CombinedLoader) gives once its iterator is built with ``limits``:
+    the length of its mode's iterator over its loaders (``len(combined)`` answers for the iterator built
+    last, before the new limits). Building the iterator object starts no loader. >= 2.0; checked on 2.5.0
+    and 2.6.6."""
+    from lightning.pytorch.utilities.combined_loader import _SUPPORTED_MODES
+
+    return len(_SUPPORTED_MODES[combined._mode]["iterator"](combined.flattened, limits))
 
 
 # ModelCheckpoint's own progress, not in its state_dict: when it last saved (it saves at most once per global

@@ -24,18 +24,18 @@ import contextlib
 import logging
 import os
 import pickle
+import signal
 import sys
 import tempfile
 import traceback
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.pytorch.loggers import CSVLogger
 from typing_extensions import override
 
-from lightning_ddpx.engine.agreement.errors import CommunicationError
+from lightning_ddpx.engine.agreement.errors import is_communication_failure
 from lightning_ddpx.fault.launch import Supervisor
 from lightning_ddpx.fault.launch_env import ENV_UID
 from lightning_ddpx.fault.manager import FaultTolerance
@@ -244,7 +244,7 @@ def report_error(error: BaseException) -> None:
     the launching process looks (``DDPX_FT_ERRORS``), so that it is not retried by a replacement and the
     user's ``fit`` raises it. A communication failure is a loss, replaced as usual: not reported."""
     directory, uid = os.environ.get(ENV_ERRORS), os.environ.get(ENV_UID)
-    if not directory or not uid or isinstance(error, (CommunicationError, dist.DistError)):
+    if not directory or not uid or is_communication_failure(error):
         return
     try:
         pickled: Optional[bytes] = pickle.dumps(error)
@@ -289,12 +289,12 @@ def _raise_what_ended_the_run(code: int, directory: str) -> None:
     """In the launching process, once the training processes ended without a result: raise what ended them
     -- a Ctrl-C (KeyboardInterrupt, which Lightning reports as an interrupted fit), a SIGTERM, the first
     error a training process reported (the exception itself, with that process named), or the losses."""
-    if code == 130:
+    if code == 128 + signal.SIGINT:  # the supervisor's code for a stop by that signal
         log.warning(
             "lightning_ddpx fault tolerance: interrupted (Ctrl-C): the training processes were stopped."
         )
         raise KeyboardInterrupt
-    if code == 143:
+    if code == 128 + signal.SIGTERM:
         raise FaultToleranceError(
             "lightning_ddpx fault tolerance: stopped by SIGTERM: the training processes were stopped."
         )

@@ -130,11 +130,9 @@ class TrainerFaultTolerance:
         self.options = options
         self.fault: Optional[FaultTolerance] = None  # in a training process, once it joined the run
         self.trainer: Any = None
-        self._samplers: list[DistributedSampler] = []  # the training loaders'
-        self._validation_samplers: list[DistributedSampler] = []
-        self._validation_sharded_for: Optional[tuple[int, int]] = None
+        self._training = _FollowedSamplers()  # the training loaders' DistributedSamplers
+        self._validation = _FollowedSamplers()  # the validation loaders'
         self._boundary_epoch: Optional[int] = None  # the epoch whose start the members last passed
-        self._sharded_for: Optional[tuple[int, int]] = None  # (world size, rank) the samplers were built for
         self._restored = False  # a newcomer's checkpoint was handed to its fit
         self._logged: dict[str, float] = {}
         self._step_begun = False  # an optimizer step's first batch began, its optimizer step has not run
@@ -220,8 +218,7 @@ class TrainerFaultTolerance:
     # ---------------------------------------------------------------------------------- the epochs
     def watch_samplers(self, dataloader: Any) -> None:
         """Follow the training loader's ``DistributedSampler``: its ``set_epoch`` is each epoch's boundary."""
-        _follow_set_epoch(dataloader, self._samplers, self.epoch_boundary)
-        self._sharded_for = None  # a loader built now is sharded by the current membership: check at start
+        self._training.follow(dataloader, self.epoch_boundary)
 
     def epoch_boundary(self) -> None:
         """Once per training epoch, before its first batch, on every member: admit waiting replacements, then
@@ -262,14 +259,10 @@ class TrainerFaultTolerance:
         """The training samplers over the members present, and the epoch's batch count (and the batch at
         which a fractional ``val_check_interval`` validates) recomputed from them, as Lightning computes
         both when it builds the loader."""
-        shard = (fault.world_size, fault.rank)
-        if shard == self._sharded_for:
+        if not self._training.reshard(fault.world_size, fault.rank):
             return
-        self._sharded_for = shard
-        for sampler in self._samplers:
-            _shard(sampler, *shard)
         combined = lightning_compat.train_combined_loader(self.trainer)
-        if combined is not None and self._samplers:
+        if combined is not None and self._training.samplers:
             limits = [
                 lightning_compat.parse_num_batches(len(loader), self.trainer.limit_train_batches)
                 for loader in combined.flattened
@@ -283,19 +276,14 @@ class TrainerFaultTolerance:
         """Follow a validation loader's ``DistributedSampler``: the validation loop sets its epoch at each
         validation's start, where it is resharded over the members present (and the loop's batch count with
         it), so that every validation covers its data once over them."""
-        _follow_set_epoch(dataloader, self._validation_samplers, self._reshard_validation)
-        self._validation_sharded_for = None
+        self._validation.follow(dataloader, self._reshard_validation)
 
     def _reshard_validation(self) -> None:
         fault, trainer = self.fault, self.trainer
         if fault is None or trainer is None:
             return
-        shard = (fault.world_size, fault.rank)
-        if shard == self._validation_sharded_for:
+        if not self._validation.reshard(fault.world_size, fault.rank):
             return
-        self._validation_sharded_for = shard
-        for sampler in self._validation_samplers:
-            _shard(sampler, *shard)
         loaders = lightning_compat.validation_loaders(trainer)
         if loaders:
             counts = [
@@ -445,20 +433,40 @@ def _gather_objects(value: Any) -> list[Any]:
     return gathered
 
 
-def _follow_set_epoch(dataloader: Any, known: list[DistributedSampler], before: Callable[[], None]) -> None:
-    """Each ``DistributedSampler`` of ``dataloader`` not in ``known`` yet (added to it) calls ``before()``
-    whenever the loop sets its epoch, before the epoch is set: where the loop starts an epoch."""
-    for sampler in _distributed_samplers(dataloader):
-        if any(sampler is seen for seen in known):
-            continue
-        known.append(sampler)
-        set_epoch = sampler.set_epoch
+class _FollowedSamplers:
+    """The distributed samplers of one kind of loader (training, validation), each wrapped so that the
+    loop setting its epoch -- where the loop starts an epoch or a validation -- first calls a hook, and
+    sharded over the members present when asked."""
 
-        def set_epoch_after(epoch: int, _set_epoch: Callable[[int], None] = set_epoch) -> None:
-            before()
-            _set_epoch(epoch)
+    def __init__(self) -> None:
+        self.samplers: list[DistributedSampler] = []
+        self._sharded_for: Optional[tuple[int, int]] = None  # (world size, rank) they are sharded for
 
-        sampler.set_epoch = set_epoch_after  # type: ignore[method-assign]
+    def follow(self, dataloader: Any, before_set_epoch: Callable[[], None]) -> None:
+        """Each sampler of ``dataloader`` not followed yet calls ``before_set_epoch()`` before its epoch is
+        set. A loader built now is sharded by the current membership: the next :meth:`reshard` checks."""
+        for sampler in _distributed_samplers(dataloader):
+            if any(sampler is seen for seen in self.samplers):
+                continue
+            self.samplers.append(sampler)
+            set_epoch = sampler.set_epoch
+
+            def set_epoch_after(epoch: int, _set_epoch: Callable[[int], None] = set_epoch) -> None:
+                before_set_epoch()
+                _set_epoch(epoch)
+
+            sampler.set_epoch = set_epoch_after  # type: ignore[method-assign]
+        self._sharded_for = None
+
+    def reshard(self, world_size: int, rank: int) -> bool:
+        """Shard every sampler as if built for ``world_size`` and ``rank``, unless it already is; returns
+        whether anything changed (the loop's batch counts then follow)."""
+        if (world_size, rank) == self._sharded_for:
+            return False
+        self._sharded_for = (world_size, rank)
+        for sampler in self.samplers:
+            _shard(sampler, world_size, rank)
+        return True
 
 
 def _distributed_samplers(dataloader: Any) -> list[DistributedSampler]:

@@ -26,6 +26,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Iterable
 
+import torch
+
 __all__ = ["digest", "state_digests"]
 
 _EVALUATION_LOOPS = ("validate_loop", "test_loop", "predict_loop")
@@ -74,8 +76,6 @@ def digest(value: Any) -> str:
 
 def _feed(digest: Any, value: Any) -> None:
     """Tensors by dtype, shape and bytes; mappings in key order; sequences in order; the rest by ``repr``."""
-    import torch
-
     if isinstance(value, torch.Tensor):
         tensor = value.detach().cpu().contiguous()
         digest.update(f"{tensor.dtype}{tuple(tensor.shape)}".encode())

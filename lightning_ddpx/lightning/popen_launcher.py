@@ -42,6 +42,7 @@ from typing import Any, Callable, Optional
 from typing_extensions import override
 
 from lightning_ddpx.engine.agreement.progress_board import note_lost
+from lightning_ddpx.fault.launch import exit_reason
 from lightning_ddpx.lightning import _compat as lightning_compat
 
 __all__ = ["LINK_ENV", "LOSS_GRACE_S", "FabricPopenLauncher", "PopenLauncher", "describe_end"]
@@ -62,14 +63,9 @@ _WITHOUT_PYTHON_EXIT = (
 
 
 def describe_end(status: int) -> str:
-    """How a process ended, from its return code as ``subprocess`` gives it (negative: the signal)."""
-    if status < 0:
-        try:
-            name = signal.Signals(-status).name
-        except ValueError:
-            name = f"signal {-status}"
-        return f"was killed by {name}"
-    return f"exited with code {status}"
+    """How a process ended, from its return code as ``subprocess`` gives it (negative: the signal), as the
+    verb of a sentence: "was killed by SIGKILL", "exited with code 1"."""
+    return f"was {exit_reason(status)}" if status < 0 else f"exited with code {status}"
 
 
 class PopenLauncher(lightning_compat.TrainerSubprocessLauncher):

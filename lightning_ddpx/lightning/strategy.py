@@ -569,7 +569,9 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
                 checkpoint[CHECKPOINT_KEY] = self._fault.membership_record()
 
             def write() -> None:
-                super(DDPXStrategy, self).save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+                super(DDPXStrategy, self).save_checkpoint(
+                    checkpoint, filepath, storage_options=storage_options
+                )
 
             # voted on: if rank 0 is lost before or while writing, the new rank 0 writes it, so that the
             # file exists wherever ModelCheckpoint records it (outside a training process: written as usual)

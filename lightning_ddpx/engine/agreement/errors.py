@@ -17,7 +17,13 @@ import torch.distributed as dist
 from lightning_ddpx._compat.torch import group_timeout
 from lightning_ddpx.engine.agreement.progress_board import peer_report
 
-__all__ = ["CommunicationError", "as_communication_error", "waiting_for", "describe_failure"]
+__all__ = [
+    "CommunicationError",
+    "as_communication_error",
+    "describe_failure",
+    "is_communication_failure",
+    "waiting_for",
+]
 
 
 class CommunicationError(RuntimeError):
@@ -92,6 +98,15 @@ def as_communication_error(
     if not _looks_like_communication_failure(error):
         return None
     return CommunicationError(describe_failure(what() if callable(what) else what, process_group, error))
+
+
+def is_communication_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a failed collective: ours (:class:`CommunicationError`), torch's
+    ``DistError``, or a backend's ``RuntimeError`` that says so (a closed peer, a timeout). What fault
+    tolerance votes on, and counts as a lost peer rather than an error of the training code."""
+    if isinstance(error, (CommunicationError, dist.DistError)):
+        return True
+    return isinstance(error, RuntimeError) and _looks_like_communication_failure(error)
 
 
 def _looks_like_communication_failure(error: RuntimeError) -> bool:
