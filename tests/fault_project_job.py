@@ -119,7 +119,9 @@ class Classifier(L.LightningModule):
         # under torch's DDP: the next forward broadcasts rank 0's
         checkpoint = lightning_compat.dump_checkpoint(self.trainer)
         digests = state_digests(checkpoint, (name for name, _ in self.named_parameters()))
-        pieces = " ".join(f"{name.split('{')[0].replace(' ', '_')}={value}" for name, value in digests.items())
+        pieces = " ".join(
+            f"{name.split('{')[0].replace(' ', '_')}={value}" for name, value in digests.items()
+        )
         batches = self.trainer.fit_loop.epoch_loop.total_batch_idx
         self._record(
             "state",

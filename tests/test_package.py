@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import sys
 from pathlib import Path
@@ -94,12 +95,54 @@ def test_demo_uses_our_module_unless_told_otherwise():
 
 @pytest.mark.processes
 def test_importing_the_engine_does_not_load_dynamo():
-    """``import lightning_ddpx`` (the engine, what a bare-module run or its fault-tolerant replacement
-    imports) leaves ``torch._dynamo`` unloaded: over a second of start-up on a 2-core CPU. The methods kept
-    out of compiled graphs are disabled for torch.compile once dynamo is loaded (tests/test_compile.py)."""
+    """``import lightning_ddpx`` (the engine, what the fault-tolerant launcher and the processes it supervises
+    import) leaves ``torch._dynamo`` unloaded: over half a second of start-up on a 2-core CPU (a training
+    process pays it later anyway: torch.optim loads dynamo at an optimizer's first parameter group). The
+    methods kept out of compiled graphs are disabled for torch.compile once dynamo is loaded
+    (tests/test_compile.py)."""
     import subprocess
 
     probe = "import sys, lightning_ddpx; print('torch._dynamo' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "False"
+
+
+@pytest.mark.processes
+def test_a_destroyed_group_closes_its_connections_when_dynamo_is_imported_after_it():
+    """``torch.distributed.nn.functional`` (imported by ``torch._dynamo``, which torch.optim imports lazily)
+    takes ``group.WORLD`` as a default argument: first imported while a group exists, it would keep that group
+    and its sockets alive after ``destroy_process_group()``, and a fault-tolerant member's peers would wait
+    out the collective timeout instead of failing at once. ``import lightning_ddpx`` imports it first. Checked
+    on a one-rank gloo group: its sockets are all closed after the destroy. Fails without the import."""
+    import subprocess
+
+    probe = """
+import gc, os, sys
+import torch.distributed as dist
+import lightning_ddpx
+
+def sockets():
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass
+    return count
+
+before = sockets()
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+opened = sockets()
+import torch._dynamo
+dist.destroy_process_group()
+gc.collect()
+print(before, opened, sockets())
+"""
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("counts sockets through /proc")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, opened, after = map(int, done.stdout.split())
+    assert opened > before, "the group opened no socket: nothing to check"
+    assert after == before, f"{opened - after} of the group's {opened - before} sockets closed"

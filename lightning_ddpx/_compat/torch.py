@@ -2,6 +2,7 @@
 
 Plain aliases where the name is a callable we call on hot paths (no extra Python frame per call); small
 functions where an attribute chain or a lazy import (``torch._dynamo`` costs a second to import) is involved.
+One import-order rule, below the imports.
 """
 
 from __future__ import annotations
@@ -15,6 +16,14 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import _JoinConfig
+
+# torch.distributed.nn.functional's collectives take ``group=group.WORLD`` as a default argument, evaluated
+# when the module is first imported: imported while a default process group exists (torch._dynamo imports
+# it, and torch.optim imports dynamo at an optimizer's first parameter group), it holds that group for the
+# life of the process, and ``destroy_process_group()`` no longer closes its connections. Fault tolerance
+# relies on that close: the peers blocked on a member whose step failed then fail at once instead of after
+# the collective timeout. Imported here, before any group exists, its defaults hold ``None`` (3 ms).
+import torch.distributed.nn.functional  # noqa: E402, F401  (isort: skip)
 
 __all__ = [
     "AnyFuture",
