@@ -38,7 +38,7 @@ def die() -> None:
 def main(mode: str, target: str) -> None:
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-    from lightning_ddpx import checkpoint_io
+    from lightning_ddpx.engine import atomic_file
     from lightning_ddpx.lightning.checkpoint_io import AtomicCheckpointIO
 
     if mode == "mid-write":
@@ -50,7 +50,7 @@ def main(mode: str, target: str) -> None:
             file.flush()
             die()
 
-        checkpoint_io._write = write_half
+        atomic_file._write = write_half
         AtomicCheckpointIO().save_checkpoint(checkpoint(1), target)
     elif mode == "before-replace":
         os.replace = lambda *args: die()

@@ -91,7 +91,7 @@ def test_overwrite_replaces_the_file_and_follows_a_link_name(tmp_path):
 
 
 def test_exception_while_writing_keeps_the_old_file_and_removes_the_temporary(tmp_path, monkeypatch):
-    from lightning_ddpx import checkpoint_io
+    from lightning_ddpx.engine import atomic_file
 
     target = str(tmp_path / "last.ckpt")
     write_old(target)
@@ -100,7 +100,7 @@ def test_exception_while_writing_keeps_the_old_file_and_removes_the_temporary(tm
         file.write(b"partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint_io, "_write", failing_write)
+    monkeypatch.setattr(atomic_file, "_write", failing_write)
     with pytest.raises(OSError, match="disk full"):
         AtomicCheckpointIO().save_checkpoint({"version": 1}, target)
     assert_old(target)

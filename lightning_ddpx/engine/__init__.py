@@ -2,7 +2,8 @@
 
 Rooms, each importing only the rooms listed before it (``tests/test_architecture.py`` keeps this order):
 
-1. leaf modules: :mod:`.option_values`, :mod:`.profiling`, :mod:`.weak_calls`, :mod:`.exit_threads`;
+1. leaf modules: :mod:`.option_values`, :mod:`.profiling`, :mod:`.weak_calls`, :mod:`.exit_threads`,
+   :mod:`.atomic_file`;
 2. :mod:`.agreement`: cross-rank agreement and diagnosis (errors, progress board, model and replica checks);
 3. :mod:`.buckets`: bucket planning and storage, the hook's ``GradBucket``;
 4. :mod:`.transport`: how a bucket crosses the ranks (hook calls in one global order, streams, shared memory);

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import glob
 import io
 import logging
 import os
@@ -50,6 +49,7 @@ from torch import nn
 
 from lightning_ddpx.engine.agreement.errors import is_communication_failure
 from lightning_ddpx.engine.agreement.replica_check import verify_replicas
+from lightning_ddpx.engine.atomic_file import atomic_torch_save
 from lightning_ddpx.engine.module.data_parallel import DistributedDataParallel
 from lightning_ddpx.fault.commit import ABORT, COMMIT_AND_ADMIT, vote
 from lightning_ddpx.fault.hook_state import HookState
@@ -66,6 +66,7 @@ __all__ = [
     "RunEnded",
     "StepOutcome",
     "check_post_local_sgd_options",
+    "refuse_unsupported_hook",
 ]
 
 log = logging.getLogger("lightning_ddpx.fault")
@@ -717,25 +718,13 @@ class FaultTolerance:
 
     def save_checkpoint(self, path: str | os.PathLike) -> bool:
         """Write :meth:`state_dict` to ``path`` if this process is rank 0 of the current generation (whichever
-        process that is after a loss); returns whether it wrote. Atomic: written beside ``path`` and renamed,
-        so a writer killed mid-save leaves the previous checkpoint whole (its partial file is removed by the
-        next save). Between steps, on every process alike (no collective)."""
+        process that is after a loss); returns whether it wrote. Atomic and durable
+        (:func:`~lightning_ddpx.engine.atomic_file.atomic_torch_save`, the strategies' writer too): a writer
+        killed mid-save leaves the previous checkpoint whole. Between steps, on every process alike (no
+        collective)."""
         if self.rank != 0:
             return False
-        target = os.fspath(path)
-        directory = os.path.dirname(os.path.abspath(target))
-        for stale in glob.glob(glob.escape(target) + ".partial-*"):  # a killed writer's
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(stale)
-        partial = f"{target}.partial-{self.uid}"
-        torch.save(self.state_dict(), partial)
-        os.replace(partial, target)
-        with contextlib.suppress(OSError):  # the rename durable where the platform allows
-            descriptor = os.open(directory, os.O_RDONLY)
-            try:
-                os.fsync(descriptor)
-            finally:
-                os.close(descriptor)
+        atomic_torch_save(self.state_dict(), path)
         return True
 
     def load_checkpoint(self, path: str | os.PathLike) -> bool:
@@ -800,13 +789,23 @@ def _forget_frames(error: BaseException) -> None:
         error = error.__cause__ or error.__context__  # type: ignore[assignment]
 
 
+def refuse_unsupported_hook(comm_hook: Any) -> None:
+    """Refuse a hook fault tolerance cannot follow across a membership change: the one message for the
+    strategies' options and for :meth:`FaultTolerance.wrap`."""
+    if comm_hook is None or (isinstance(comm_hook, str) and comm_hook in SUPPORTED_HOOKS):
+        return
+    name = (
+        comm_hook if isinstance(comm_hook, str) else getattr(comm_hook, "__name__", type(comm_hook).__name__)
+    )
+    raise ValueError(
+        f"lightning_ddpx fault tolerance: comm_hook={name!r} is not supported with fault tolerance; the "
+        f"supported hooks are {list(SUPPORTED_HOOKS)} (with or without comm_wrapper); a hook of your own keeps "
+        "state the fault tolerance cannot roll back or hand on, and is refused rather than half-working."
+    )
+
+
 def _check_hook(comm_hook: str | None, comm_wrapper: str | None) -> None:
-    if comm_hook is not None and comm_hook not in SUPPORTED_HOOKS:
-        raise ValueError(
-            f"lightning_ddpx fault tolerance: comm_hook {comm_hook!r} is not supported with fault tolerance; "
-            f"the supported hooks are {list(SUPPORTED_HOOKS)}; a hook of your own keeps state the fault "
-            "tolerance cannot roll back or hand on, and is refused rather than half-working."
-        )
+    refuse_unsupported_hook(comm_hook)
     if comm_wrapper is not None and comm_hook is None:
         raise ValueError("lightning_ddpx fault tolerance: comm_wrapper needs a comm_hook to wrap.")
 
