@@ -114,7 +114,7 @@ class Classifier(L.LightningModule):
         return loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        fault = self.trainer.strategy._fault.fault
+        fault = self.trainer.strategy._run.fault
         # the module's buffers (BatchNorm's running statistics) are per rank by design between forwards, as
         # under torch's DDP: the next forward broadcasts rank 0's
         checkpoint = lightning_compat.dump_checkpoint(self.trainer)
@@ -136,7 +136,7 @@ class Classifier(L.LightningModule):
         that it is admitted at the next epoch's start however slowly it started: the tests then know where
         each heal happens. Called last at each epoch's end (by the checkpoint callback, which Lightning runs
         after every other ``on_train_epoch_end``)."""
-        fault = self.trainer.strategy._fault.fault
+        fault = self.trainer.strategy._run.fault
         kills = len([name for name in os.listdir(self.out) if name.startswith("kill-")])
         due = min(kills, int(os.environ.get("PROJECT_REPLACEMENTS", "1")))
         admitted = fault.generation.joiners_consumed - int(os.environ.get("PROJECT_DEVICES", "3"))

@@ -89,7 +89,7 @@ class Job(L.LightningModule):
 
         def all_reduce(*args, **kwargs):
             result = real(*args, **kwargs)
-            if self._victim_at("between") and not self.trainer.strategy._fault.fault._stepping:
+            if self._victim_at("between") and not self.trainer.strategy._run.fault._stepping:
                 self.kill_step = -1  # once
                 raise CommunicationError(f"injected failure between steps in process {self.uid}")
             return result
@@ -143,7 +143,7 @@ class Job(L.LightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         strategy = self.trainer.strategy
-        fault = strategy._fault.fault
+        fault = strategy._run.fault
         shared = fault.hook_state_dict()  # the hook's shared state: equal on every member, always
         hook = (
             "-"

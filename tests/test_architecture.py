@@ -603,3 +603,24 @@ def test_the_benchmark_recipe_names_exist() -> None:
     for name in names:
         assert hasattr(common, name), name
     assert hasattr(engine_bench, "run_rank")
+
+
+# ------------------------------------------------------------------------ the strategies' run modes
+def test_no_strategy_method_asks_whether_fault_tolerance_is_on() -> None:
+    """Each strategy picks its run once (lightning/trainer_run.py, lightning/fabric_run.py) and its methods
+    delegate: no ``if`` (or conditional expression) inside the strategy classes tests anything named after
+    fault tolerance (``fault_tolerance``, ``self._run.fault``, ``fault_manager``)."""
+    offenders = []
+    for name in ("strategy.py", "fabric.py"):
+        path = PACKAGE / "lightning" / name
+        for node in ast.walk(_tree(path)):
+            if not isinstance(node, ast.ClassDef) or node.name != "DDPXStrategy":
+                continue
+            for test in (n.test for n in ast.walk(node) if isinstance(n, (ast.If, ast.IfExp, ast.While))):
+                words = {n.attr for n in ast.walk(test) if isinstance(n, ast.Attribute)}
+                words |= {n.id for n in ast.walk(test) if isinstance(n, ast.Name)}
+                if any("fault" in word for word in words):
+                    offenders.append(f"lightning_ddpx/lightning/{name}:{test.lineno}: {ast.unparse(test)}")
+    assert not offenders, "branch on fault tolerance in a strategy method (move it to the run):\n" + "\n".join(
+        offenders
+    )

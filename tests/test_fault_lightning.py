@@ -331,13 +331,38 @@ def test_what_fault_tolerance_cannot_follow_is_refused_by_name_when_the_strategy
         DDPXStrategy(**kwargs)
 
 
-def test_a_cluster_environment_of_its_own_is_refused():
+def test_a_cluster_environment_of_its_own_is_refused_by_both_strategies():
     from lightning.fabric.plugins.environments import LightningEnvironment
 
     from lightning_ddpx import DDPXStrategy
+    from lightning_ddpx.lightning.fabric import DDPXStrategy as DDPXFabricStrategy
 
-    with pytest.raises(ValueError, match="cluster_environment=LightningEnvironment"):
-        DDPXStrategy(fault_tolerance=True, cluster_environment=LightningEnvironment())
+    for cls in (DDPXStrategy, DDPXFabricStrategy):
+        with pytest.raises(ValueError, match="cluster_environment=LightningEnvironment"):
+            cls(fault_tolerance=True, cluster_environment=LightningEnvironment())
+
+
+def test_an_unsupported_hook_gets_one_message_from_both_strategies_and_the_bare_api():
+    """The Trainer and Fabric strategies (at construction) and ``FaultTolerance.wrap`` (its check) refuse
+    a hook fault tolerance cannot follow with the same words: the hook's name and the supported ones."""
+    from lightning_ddpx import DDPXStrategy
+    from lightning_ddpx.fault.manager import SUPPORTED_HOOKS, refuse_unsupported_hook
+    from lightning_ddpx.lightning.fabric import DDPXStrategy as DDPXFabricStrategy
+
+    def my_hook(state, bucket):  # a user's hook: state the fault tolerance cannot hand on
+        raise AssertionError("never called")
+
+    messages = []
+    for refuse in (
+        lambda: DDPXStrategy(fault_tolerance=True, comm_hook=my_hook),
+        lambda: DDPXFabricStrategy(fault_tolerance=True, comm_hook=my_hook),
+        lambda: refuse_unsupported_hook(my_hook),
+    ):
+        with pytest.raises(ValueError) as refused:
+            refuse()
+        messages.append(str(refused.value))
+    assert len(set(messages)) == 1, messages
+    assert "comm_hook='my_hook'" in messages[0] and str(list(SUPPORTED_HOOKS)) in messages[0]
 
 
 @pytest.mark.slow

@@ -49,22 +49,15 @@ from lightning_ddpx.lightning.checkpoint_io import AtomicCheckpointIO
 from lightning_ddpx.lightning.checkpoint_state import CHECKPOINT_KEY
 from lightning_ddpx.lightning.config import (
     FABRIC_STRATEGY_NAMES,
+    DDPXConfig,
     DDPXConfigAttributes,
     ddp_device_ids,
     register_strategy_names,
 )
 from lightning_ddpx.lightning.ddp_kwargs import build_ddpx_config, torch_ddp_kwargs
-from lightning_ddpx.lightning.fault_tolerance_launch import (
-    FabricFaultTolerantLauncher,
-    FaultTolerantEnvironment,
-    in_training_process,
-    join_run,
-)
-from lightning_ddpx.lightning.fault_tolerance_metrics import MetricSyncGuard
-from lightning_ddpx.lightning.fault_tolerance_setup import CHECKPOINT_KEY as FAULT_TOLERANCE_KEY
-from lightning_ddpx.lightning.fault_tolerance_setup import follow_rank
+from lightning_ddpx.lightning.fabric_run import FabricRun
+from lightning_ddpx.lightning.fault_tolerance_setup import FaultTolerantFabricRun
 from lightning_ddpx.lightning.options import takes_ddpx_options
-from lightning_ddpx.lightning.popen_launcher import FabricPopenLauncher
 from lightning_ddpx.lightning.process_exit import destroy_process_group_at_exit
 from lightning_ddpx.lightning.replica_verification import ReplicaVerifier
 from lightning_ddpx.lightning.restart_rendezvous import create_default_group
@@ -111,17 +104,9 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     ) -> None:
         # Validate before Fabric sees the strategy: a typo fails at once, not after launch.
         self.ddpx_config = build_ddpx_config(type(self).__name__, "Fabric", kwargs)
-        if self.ddpx_config.fault_tolerance is not None:
-            if cluster_environment is not None:
-                raise ValueError(
-                    f"DDPXStrategy: fault_tolerance brings its own cluster environment (ranks follow the "
-                    f"membership); got cluster_environment={type(cluster_environment).__name__}."
-                )
-            cluster_environment = FaultTolerantEnvironment()
-        # with fault_tolerance, this training process's part in the run, once fabric.launch() joined it
-        self.fault_manager: Optional[FaultTolerance] = None
-        # with fault_tolerance, the torchmetrics metrics of the modules set up sync through it
-        self._metric_syncs = MetricSyncGuard(self._sync_between_steps)
+        # how the processes run, chosen once: plain, or fault tolerant (lightning/fabric_run.py)
+        self._run = _choose_run(self.ddpx_config)
+        cluster_environment = self._run.cluster_environment(cluster_environment)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -156,24 +141,18 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         self._checkpoint_io = io
 
     # ------------------------------------------------------------------------------------------ setup
+    @property
+    def fault_manager(self) -> Optional[FaultTolerance]:
+        """With fault_tolerance, this training process's part in the run once ``fabric.launch()`` joined it:
+        the loop steps through its ``step()`` (docs/fault-tolerance.md); ``None`` otherwise."""
+        return self._run.fault
+
     @override
     def _configure_launcher(self) -> None:
-        options = self.ddpx_config.fault_tolerance
-        if options is None:
-            if self._start_method != "popen":
-                return super()._configure_launcher()
-            assert self.cluster_environment is not None
-            # Lightning's, naming a lost process before anything is killed (lightning/popen_launcher.py)
-            self._launcher = FabricPopenLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-            return
-        if self.num_nodes > 1 and not in_training_process():
-            raise ValueError(
-                "DDPXStrategy: with fault_tolerance on several machines, start the script with "
-                "python -m lightning_ddpx.fault.launch on each machine (docs/fault-tolerance.md)."
-            )
-        assert isinstance(self.cluster_environment, FaultTolerantEnvironment)
-        self.cluster_environment.num_processes = self.num_processes
-        self._launcher = FabricFaultTolerantLauncher(self.num_processes, options)
+        launcher = self._run.launcher(self, self._start_method)
+        if launcher is None:
+            return super()._configure_launcher()
+        self._launcher = launcher
 
     @override
     def setup_environment(self) -> None:
@@ -185,31 +164,22 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """With fault_tolerance, the membership's world size and rank (a world of one in the launching
         process after fit), not the devices': a loader built after a change is sharded by the members."""
-        if self.ddpx_config.fault_tolerance is None:
-            return super().distributed_sampler_kwargs
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+        return self._run.distributed_sampler_kwargs(
+            self, lambda: super(DDPXStrategy, self).distributed_sampler_kwargs
+        )
 
     @override
     def _setup_distributed(self) -> None:
         """With fault_tolerance: join the run (its group is the membership's); see docs/fault-tolerance.md."""
-        options = self.ddpx_config.fault_tolerance
-        if options is None:
-            self._set_world_ranks()
-            # torchrun shares its store across restarts: this round's keys only (lightning.restart_rendezvous)
-            create_default_group(
-                self.cluster_environment, self._get_process_group_backend(), self._timeout, self.root_device
-            )
-            return super()._setup_distributed()  # Lightning's creation, when that created none
-        if self._get_process_group_backend() != "gloo":
-            raise ValueError(
-                "DDPXStrategy: fault_tolerance needs the gloo backend (process_group_backend='gloo'), got "
-                f"{self._get_process_group_backend()!r}: only gloo's groups can be rebuilt after a lost rank."
-            )
-        fault = join_run(options)
-        assert isinstance(self.cluster_environment, FaultTolerantEnvironment)
-        self.fault_manager = self.cluster_environment.fault = fault
-        fault.generation_listeners.append(lambda generation: follow_rank(generation.rank_of(fault.uid)))
-        follow_rank(fault.rank)
+        self._run.setup_distributed(self, self._create_default_group, self._get_process_group_backend)
+
+    def _create_default_group(self) -> None:
+        self._set_world_ranks()
+        # torchrun shares its store across restarts: this round's keys only (lightning.restart_rendezvous)
+        create_default_group(
+            self.cluster_environment, self._get_process_group_backend(), self._timeout, self.root_device
+        )
+        super()._setup_distributed()  # Lightning's creation, when that created none
 
     @override
     def setup_module(self, module: nn.Module) -> DistributedDataParallel:
@@ -221,31 +191,8 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         log.debug(
             f"{type(self).__name__}: wrapping in lightning_ddpx.DistributedDataParallel, {self.hook_name}"
         )
-        fault = self.fault_manager
-        if fault is not None:  # healed at the first step (a newcomer) or already equal (the first generation)
-            first = fault.generation.number == 1
-            wrapped = self.ddpx_config.wrap(
-                module, device_ids=ddp_device_ids(self.root_device), init_sync=first
-            )
-            config = self.ddpx_config
-            fault.attach(
-                wrapped,
-                comm_hook=config.comm_hook,
-                comm_wrapper=config.comm_wrapper,
-                powersgd=config.powersgd,
-                diloco=config.diloco,
-                post_local_sgd=config.post_local_sgd if config.comm_hook == "post_local_sgd" else None,
-                synchronized=first,
-            )
-            if wrapped.parameter_averaging is not None:  # DiLoCo: its outer step, fault-tolerantly
-                self._averaged.append(wrapped)
-            self._metric_syncs.guard(module)  # a loss during a metric's sync: its own value
-            self._modules.add(wrapped)
-            self._replicas.track(wrapped)
-            return wrapped
-        wrapped = self.ddpx_config.wrap(module, device_ids=ddp_device_ids(self.root_device))
-        self.ddpx_config.register_hook(wrapped)
-        if wrapped.parameter_averaging is not None:
+        wrapped = self._run.wrap(module, self.ddpx_config, ddp_device_ids(self.root_device))
+        if wrapped.parameter_averaging is not None:  # post-local SGD, DiLoCo: averaged after the steps
             self._averaged.append(wrapped)
         self._modules.add(wrapped)
         self._replicas.track(wrapped)
@@ -256,8 +203,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         """With ``overlap_optimizer``: hand the optimizer to the model (set up before) that owns its parameters."""
         if self.overlap_optimizer:
             optimizer_overlap_setup.attach_fabric_optimizer(self._modules, optimizer, self.precision)
-        if self.fault_manager is not None:
-            self.fault_manager.track(optimizer)  # a newcomer receives its state with the model's
+        self._run.track_optimizer(optimizer)
         self._optimizers.append(optimizer)  # post-local SGD averages every optimizer's parameters
         return super().setup_optimizer(optimizer)
 
@@ -280,10 +226,11 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     def process_dataloader(self, dataloader: DataLoader) -> DataLoader:
         """Loaders are iterated in lockstep across ranks (``uneven_inputs``), except in loops entered with
         gradients disabled (evaluation, possibly on rank 0 alone)."""
-        if self.ddpx_config.fault_tolerance is not None:
-            return dataloader  # key the data on the fault tolerance's step, rank and world size instead
-        return self.ddpx_config.wrap_training_loader(
-            dataloader, dist.group.WORLD, self.root_device, self._uneven_steps, for_fabric=True
+        return self._run.process_dataloader(
+            dataloader,
+            lambda: self.ddpx_config.wrap_training_loader(
+                dataloader, dist.group.WORLD, self.root_device, self._uneven_steps, for_fabric=True
+            ),
         )
 
     @property
@@ -324,12 +271,9 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         for module in self._averaged:
             if post_local_sgd_setup.owns_params(module, optimizer):
                 post_local_sgd_setup.check_optimizers([optimizer])
-                if self.fault_manager is not None:  # snapshotted, voted on, retried over the survivors
-                    self.fault_manager.average_after_step(self._optimizers)
-                else:
-                    post_local_sgd_setup.average_after_step(module, self._optimizers)
+                self._run.average_after_step(module, self._optimizers)
         # the verification, when due, is a collective between steps
-        self._replicas.after_optimizer_step(around=lambda verify: self._between_steps(verify, None))
+        self._replicas.after_optimizer_step(around=self._run.verification)
         return output
 
     @override
@@ -357,32 +301,34 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         The entries go under ``checkpoint["lightning_ddpx"][key]`` (``key``: the model's key in ``state``),
         each in the Trainer strategy's entry format. Fabric calls this on every rank, as gathering needs.
         """
-        modules = _our_modules(state)
-        fault = self.fault_manager
-        if fault is not None:  # the hook's shared state and the membership; the membership's rank 0 writes
-            record = {"generation": fault.generation.number, "world_size": fault.world_size}
-            state = {**state, FAULT_TOLERANCE_KEY: {**record, "hook": fault.hook_state_dict()}}
-            super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
-            return
-        self._replicas.before_save(modules.values())  # a diverged run must not be saved as rank 0's weights
-        if modules:
-            if CHECKPOINT_KEY in state:
-                raise ValueError(
-                    f"DDPXStrategy: fabric.save got a state with the key {CHECKPOINT_KEY!r}, which holds the "
-                    "communication-hook state of the models in the checkpoint. Rename that entry of your state."
-                )
-            entries = {
-                key: self.ddpx_config.hook_entry(
-                    module.comm_hook_state, module.process_group, module.reducer_state_dict()
-                )
-                for key, module in modules.items()
-            }
-            replicas = self._local_replicas(state, modules)
-            if self.is_global_zero:
-                state = {**state, CHECKPOINT_KEY: entries}
-                if replicas is not None:
-                    state[local_replicas.REPLICAS_KEY] = replicas
+        state = self._run.state_to_save(state, lambda: self._with_our_state(state))
         super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+
+    def _with_our_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` with each of our modules' hook entry and, with parameter averaging, every rank's replica
+        (on rank 0, which writes); the replicas verified first when due."""
+        modules = _our_modules(state)
+        self._replicas.before_save(modules.values())  # a diverged run must not be saved as rank 0's weights
+        if not modules:
+            return state
+        if CHECKPOINT_KEY in state:
+            raise ValueError(
+                f"DDPXStrategy: fabric.save got a state with the key {CHECKPOINT_KEY!r}, which holds the "
+                "communication-hook state of the models in the checkpoint. Rename that entry of your state."
+            )
+        entries = {
+            key: self.ddpx_config.hook_entry(
+                module.comm_hook_state, module.process_group, module.reducer_state_dict()
+            )
+            for key, module in modules.items()
+        }
+        replicas = self._local_replicas(state, modules)
+        if not self.is_global_zero:
+            return state
+        state = {**state, CHECKPOINT_KEY: entries}
+        if replicas is not None:
+            state[local_replicas.REPLICAS_KEY] = replicas
+        return state
 
     @override
     def load_checkpoint(
@@ -398,13 +344,13 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         another world size) resumes with fresh hook state and a warning, as in the Trainer strategy.
         """
         remainder = super().load_checkpoint(path, state, strict=strict, **weights_only_argument(weights_only))
-        if self.fault_manager is not None:  # PowerSGD's or DiLoCo's shared state, when the hook exists
-            entry = remainder.pop(FAULT_TOLERANCE_KEY, None) or {}
-            self.fault_manager.load_hook_state_dict(entry.get("hook"))
-            return remainder
+        self._run.load_checkpoint(remainder, lambda: self._restore_our_state(remainder, state, strict))
+        return remainder
+
+    def _restore_our_state(self, remainder: dict[str, Any], state: Any, strict: bool) -> None:
         modules = _our_modules(state) if isinstance(state, Mapping) else {}
         if not modules:
-            return remainder
+            return
         entries = remainder.pop(CHECKPOINT_KEY, None)
         for key, module in modules.items():
             entry = entries.get(key) if isinstance(entries, Mapping) else None
@@ -419,7 +365,6 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
                 self.load_module_state_dict(target, replica, strict=strict)
             elif isinstance(target, Optimizer):
                 target.load_state_dict(replica)
-        return remainder
 
     def _local_replicas(
         self, state: Mapping[str, Any], modules: Mapping[str, DistributedDataParallel]
@@ -457,45 +402,35 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             self.ddpx_config.verify_replicas_every_n_steps
         )  # closed ones forgotten
         super().teardown()
-        self._metric_syncs.release()
-        if self.fault_manager is not None:
-            self.fault_manager.close()
+        self._run.close()  # fault tolerance: leaves the run
 
     # ---------------------------------------------------------------------- collectives between steps
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         """With fault_tolerance, nothing: a barrier cannot tell a slow member from a lost one."""
-        if self.ddpx_config.fault_tolerance is None:
-            super().barrier(*args, **kwargs)
+        self._run.barrier(lambda: super(DDPXStrategy, self).barrier(*args, **kwargs))
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return self._between_steps(lambda: super(DDPXStrategy, self).broadcast(obj, src), obj)
+        return self._run.between_steps(lambda: super(DDPXStrategy, self).broadcast(obj, src), obj)
 
     @override
     def all_reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-        return self._between_steps(
+        return self._run.between_steps(
             lambda: super(DDPXStrategy, self).all_reduce(tensor, group, reduce_op), tensor
         )
-
-    def _sync_between_steps(self, run: Callable[[], Any], fallback: Callable[[], Any]) -> Any:
-        """:meth:`_between_steps` with the fallback computed (a metric left unsynced)."""
-        if self.fault_manager is None:
-            return run()
-        return self.fault_manager.outside_step(run, fallback)
-
-    def _between_steps(self, run: Callable[[], Any], own: Any) -> Any:
-        """With fault_tolerance, a collective that fails between steps gives this process's own value
-        (``own``), and the membership changes at the next step; inside a step a failure is the step's."""
-        if self.fault_manager is None:
-            return run()
-        return self.fault_manager.outside_step(run, lambda: own)
 
     # ------------------------------------------------------------------------------------- registry
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
         register_strategy_names(cls, strategy_registry, FABRIC_STRATEGY_NAMES)
+
+
+def _choose_run(config: DDPXConfig) -> FabricRun:
+    """The run of a strategy with ``config``: fault tolerant when ``fault_tolerance`` is set, else plain."""
+    options = config.fault_tolerance
+    return FabricRun() if options is None else FaultTolerantFabricRun(options)
 
 
 class _DDPXBackwardSyncControl(DDPBackwardSyncControl):

@@ -1,13 +1,18 @@
 """``fault_tolerance`` in a Lightning training process: a lost rank does not end ``trainer.fit``.
 
-The Trainer strategy keeps one :class:`TrainerFaultTolerance` and hands it the seams where a lost rank
-matters; the protocol itself (membership, votes, heals) is :class:`~lightning_ddpx.fault.FaultTolerance`'s.
+With ``fault_tolerance`` the Trainer strategy's run is a :class:`FaultTolerantTrainerRun` (the
+:class:`~lightning_ddpx.lightning.trainer_run.TrainerRun` whose seams are where a lost rank matters) and the
+Fabric strategy's a :class:`FaultTolerantFabricRun` (its loop steps through ``FaultTolerance`` itself); the
+protocol (membership, votes, heals) is :class:`~lightning_ddpx.fault.FaultTolerance`'s. The rules both
+strategies follow are written once here: the gloo check (:func:`check_backend`), the cluster environment,
+the hook handed to the fault tolerance (:func:`attach_hook`), the membership record in checkpoints
+(:func:`membership_record`) and the options refused (:func:`check_options`). For the Trainer:
 
 - **Steps.** Each optimizer step's closure (forward and backward) runs inside ``FaultTolerance.step()``; the
   optimizer steps only if every member's collectives succeeded. A discarded step counts like a step whose
   update was skipped (as AMP's inf/NaN check skips one): ``global_step`` moves, that batch's update is lost on
   every member, and the loop goes on with the next batch. A membership change is applied at the start of
-  the optimizer step's first batch (:meth:`TrainerFaultTolerance.begin_batch`): with
+  the optimizer step's first batch (:meth:`FaultTolerantTrainerRun.begin_batch`): with
   ``accumulate_grad_batches=k`` the k-1 micro-batches that accumulate locally run between steps (a
   collective in them, a buffer broadcast or a synced log, fails that member's step alone), and the k-th
   synchronises inside ``step()``.
@@ -43,31 +48,45 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import nn
 from torch.utils.data import DistributedSampler
 
+from lightning_ddpx.engine.module.data_parallel import DistributedDataParallel
 from lightning_ddpx.fault.manager import (
-    SUPPORTED_HOOKS,
     FaultTolerance,
     check_post_local_sgd_options,
+    refuse_unsupported_hook,
 )
 from lightning_ddpx.fault.membership import FaultToleranceError, Generation
 from lightning_ddpx.fault.options import FaultToleranceOptions
 from lightning_ddpx.lightning import _compat as lightning_compat
+from lightning_ddpx.lightning.fabric_run import FabricRun
 from lightning_ddpx.lightning.fault_tolerance_launch import (
+    FabricFaultTolerantLauncher,
+    FaultTolerantEnvironment,
+    FaultTolerantLauncher,
     contain_logger_failures,
     continue_loggers,
+    in_training_process,
     join_run,
 )
 from lightning_ddpx.lightning.fault_tolerance_metrics import MetricSyncGuard
 from lightning_ddpx.lightning.fault_tolerance_state import digest, state_digests
+from lightning_ddpx.lightning.trainer_run import Default, TrainerRun
 
 if TYPE_CHECKING:
+    from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
+
     from lightning_ddpx.lightning.config import DDPXConfig
+    from lightning_ddpx.lightning.fabric import DDPXStrategy as FabricStrategy
+    from lightning_ddpx.lightning.strategy import DDPXStrategy
 
 __all__ = [
     "CHECKPOINT_KEY",
-    "TrainerFaultTolerance",
+    "FaultTolerantFabricRun",
+    "FaultTolerantTrainerRun",
     "check_options",
     "check_trainer",
     "follow_rank",
@@ -83,13 +102,7 @@ _LOGGER_VERSIONS_KEY = "ft/lightning/logger_versions"
 def check_options(config: "DDPXConfig") -> None:
     """Refuse, by name, what cannot survive a membership change, when the strategy is built."""
     hook = config.comm_hook
-    if hook is not None and not (isinstance(hook, str) and hook in SUPPORTED_HOOKS):
-        name = hook if isinstance(hook, str) else getattr(hook, "__name__", type(hook).__name__)
-        raise ValueError(
-            f"DDPXStrategy: fault_tolerance does not support comm_hook={name!r}; the supported hooks are "
-            f"{list(SUPPORTED_HOOKS)} (with or without comm_wrapper); your own hooks keep state the fault "
-            "tolerance cannot roll back or hand on."
-        )
+    refuse_unsupported_hook(hook)
     if hook == "post_local_sgd" and config.post_local_sgd is not None:
         options = config.post_local_sgd
         check_post_local_sgd_options(options.subgroup, options.hierarchy, options.period)
@@ -109,13 +122,65 @@ def check_options(config: "DDPXConfig") -> None:
         )
 
 
-def check_trainer(trainer: Any, backend: str) -> None:
-    """Refuse the Trainer settings fault tolerance cannot follow, before the first step."""
+def check_backend(backend: str) -> None:
+    """Refuse a process group backend whose groups cannot be rebuilt after a lost rank (both strategies)."""
     if backend != "gloo":
         raise ValueError(
             f"DDPXStrategy: fault_tolerance needs the gloo backend (process_group_backend='gloo'), got "
             f"{backend!r}: only gloo's groups can be rebuilt after a lost rank."
         )
+
+
+def fault_tolerant_environment(given: Optional["ClusterEnvironment"]) -> "ClusterEnvironment":
+    """The cluster environment of a fault-tolerant strategy (ranks follow the membership); one given is
+    refused (both strategies)."""
+    if given is not None:
+        raise ValueError(
+            f"DDPXStrategy: fault_tolerance brings its own cluster environment (ranks follow the "
+            f"membership); got cluster_environment={type(given).__name__}. On several machines, start the "
+            "script with python -m lightning_ddpx.fault.launch on each (docs/fault-tolerance.md)."
+        )
+    return FaultTolerantEnvironment()
+
+
+def refuse_several_machines(num_nodes: int) -> None:
+    """The strategies' own launchers supervise one machine; several start the script with ours on each."""
+    if num_nodes > 1 and not in_training_process():
+        raise ValueError(
+            "DDPXStrategy: with fault_tolerance on several machines, start the script with "
+            "python -m lightning_ddpx.fault.launch on each machine (docs/fault-tolerance.md); the strategy's "
+            f"own launcher supervises one machine (num_nodes={num_nodes})."
+        )
+
+
+def attach_hook(fault: FaultTolerance, model: DistributedDataParallel, config: "DDPXConfig") -> None:
+    """Hand ``model`` and the configured hook (a name: :func:`check_options` refused the rest) to the fault
+    tolerance, which builds the hook so that it follows the membership (both strategies)."""
+    fault.attach(
+        model,
+        comm_hook=config.comm_hook,
+        comm_wrapper=config.comm_wrapper,
+        powersgd=config.powersgd,
+        diloco=config.diloco,
+        post_local_sgd=config.post_local_sgd if config.comm_hook == "post_local_sgd" else None,
+        synchronized=fault.generation.number == 1,
+    )
+
+
+def membership_record(fault: FaultTolerance) -> dict[str, Any]:
+    """What a checkpoint of a fault-tolerant run records under ``CHECKPOINT_KEY`` (both strategies): the
+    generation and world size that saved it, and the hook's shared state (PowerSGD's, DiLoCo's; per-rank
+    error feedback starts from zero on resume)."""
+    return {
+        "generation": fault.generation.number,
+        "world_size": fault.world_size,
+        "hook": fault.hook_state_dict(),
+    }
+
+
+def check_trainer(trainer: Any, backend: str) -> None:
+    """Refuse the Trainer settings fault tolerance cannot follow, before the first step."""
+    check_backend(backend)
     if not trainer.lightning_module.automatic_optimization:
         raise ValueError(
             "DDPXStrategy: fault_tolerance supports automatic optimisation only: with manual optimisation the "
@@ -123,8 +188,10 @@ def check_trainer(trainer: Any, backend: str) -> None:
         )
 
 
-class TrainerFaultTolerance:
-    """What the Trainer strategy does differently with ``fault_tolerance`` (see the module's docstring)."""
+class FaultTolerantTrainerRun(TrainerRun):
+    """The Trainer strategy's run with ``fault_tolerance`` (see the module's docstring). Outside a training
+    process (the launching process, after ``fit``) it has not joined a run (``fault`` is ``None``), and the
+    seams that need a membership behave as the plain run's."""
 
     def __init__(self, options: FaultToleranceOptions) -> None:
         self.options = options
@@ -139,6 +206,74 @@ class TrainerFaultTolerance:
         self._healed = 0  # newcomers healed so far, as this process counted them
         self._state_check_due = False  # a heal happened: compare the whole state after the next step
         self.metrics = MetricSyncGuard(self.between_steps)  # torchmetrics' own syncs, at set-up
+
+    # ------------------------------------------------------------------------------------- processes
+    def cluster_environment(self, given: Optional["ClusterEnvironment"]) -> "ClusterEnvironment":
+        return fault_tolerant_environment(given)
+
+    def launcher(self, strategy: "DDPXStrategy", start_method: str, backend: Callable[[], str]) -> Any:
+        """The fault-tolerant launcher: it supervises one machine's processes and replaces lost ones."""
+        refuse_several_machines(strategy.num_nodes)
+        environment = strategy.cluster_environment
+        assert isinstance(environment, FaultTolerantEnvironment)
+        environment.num_processes = strategy.num_processes
+        return FaultTolerantLauncher(
+            strategy.num_processes, self.options, check=lambda trainer: check_trainer(trainer, backend())
+        )
+
+    def distributed_sampler_kwargs(self, strategy: "DDPXStrategy", default: Default) -> dict[str, Any]:
+        """The membership's world size and rank (a world of one in the launching process after fit), not
+        the devices': a loader built after a change is sharded by the members."""
+        return {"num_replicas": strategy.world_size, "rank": strategy.global_rank}
+
+    def setup_distributed(
+        self, strategy: "DDPXStrategy", default: Default, backend: Callable[[], str]
+    ) -> None:
+        """A training process joins the run (its group is the membership's); the launching process, after
+        fit, is a world of one."""
+        if not in_training_process():
+            strategy.set_world_ranks()
+            return
+        launcher = strategy.launcher
+        assert isinstance(launcher, FaultTolerantLauncher)
+        check_trainer(launcher.trainer, backend())
+        self.join(launcher.trainer, strategy.cluster_environment)
+        strategy.set_world_ranks()
+
+    def set_world_ranks(self, strategy: "DDPXStrategy", default: Default) -> None:
+        follow_rank(strategy.global_rank)  # the membership's rank (the environment's)
+
+    # ------------------------------------------------------------------------------------- the module
+    def init_sync(self) -> Optional[bool]:
+        """A newcomer is healed at its first boundary, not by a broadcast at the wrap."""
+        return None if self.fault is None else self.fault.generation.number == 1
+
+    def register_hook(self, model: DistributedDataParallel, config: "DDPXConfig") -> tuple[Any, bool]:
+        """The hook follows the membership: the fault tolerance builds it (by name: ``check_options``
+        refused the rest) and keeps its shared state in the membership record of each checkpoint."""
+        fault = self.fault
+        if fault is None:
+            return super().register_hook(model, config)
+        attach_hook(fault, model, config)
+        return fault.comm_hook_state, False
+
+    def after_setup(self, module: Any) -> None:
+        if module is not None:
+            self.metrics.guard(module)  # a loss in a metric's sync: its own value
+
+    def process_dataloader(self, dataloader: Any, stage: Optional[RunningStage], training: Default) -> Any:
+        """Loaders sharded by the membership, resharded with it (no lockstep wrapper: every member runs the
+        same number of batches, checked at each epoch's start)."""
+        if stage == RunningStage.TRAINING:
+            self.watch_samplers(dataloader)
+        elif stage in (RunningStage.VALIDATING, RunningStage.SANITY_CHECKING):
+            self.watch_validation_samplers(dataloader)
+        return dataloader
+
+    def validation_step(self, wrapped: Default, own: Default) -> Any:
+        """The LightningModule's own step: the wrapper's forward would synchronise buffers, a collective
+        outside the training steps the members agree on."""
+        return own()
 
     # ------------------------------------------------------------------------------------------ join
     def join(self, trainer: Any, environment: Any) -> FaultTolerance:
@@ -201,14 +336,8 @@ class TrainerFaultTolerance:
         }
 
     def membership_record(self) -> dict[str, Any]:
-        """What a checkpoint records: the generation and world size that saved it, and the hook's shared
-        state (PowerSGD's; its per-rank error feedback starts from zero on resume)."""
         assert self.fault is not None
-        return {
-            "generation": self.fault.generation.number,
-            "world_size": self.fault.world_size,
-            "hook": self.fault.hook_state_dict(),
-        }
+        return membership_record(self.fault)
 
     def resume(self, checkpoint: dict[str, Any]) -> None:
         """A checkpoint loaded with ``ckpt_path``: its hook state, once the hook exists."""
@@ -293,6 +422,11 @@ class TrainerFaultTolerance:
             lightning_compat.set_validation_batches(trainer, counts)
 
     # ----------------------------------------------------------------------------------- the steps
+    def on_train_batch_start(self, batch_idx: int) -> None:
+        if batch_idx == 0:
+            self.epoch_boundary()  # once per epoch: here if no DistributedSampler's set_epoch came first
+        self.begin_batch()
+
     def begin_batch(self) -> None:
         """At each training batch's start (after the epoch's boundary). The first batch of an optimizer step
         (every batch; with ``accumulate_grad_batches=k`` the first of k) applies a membership change decided
@@ -321,13 +455,15 @@ class TrainerFaultTolerance:
         step: Callable[[Callable[[], Any]], Any],
         closure: Callable[[], Any],
         batch_idx: int,
-        optimizers: Sequence[Any] = (),
+        model: Optional[DistributedDataParallel],
+        optimizers: Sequence[Any],
     ) -> Any:
         """Run the closure inside a fault-tolerant step; ``step(closure)`` (the optimizer's) only if every
         member's collectives succeeded. Then a hook that averages parameters (DiLoCo's outer step,
         post-local SGD's average) averages when due, voted on and retried over the survivors; replacements
         still wait for the next epoch's start."""
-        assert self.fault is not None
+        if self.fault is None:
+            return super().optimizer_step(step, closure, batch_idx, model, optimizers)
         self._step_begun = False
         with self.fault.step(admit=False) as outcome:
             loss = closure()
@@ -403,10 +539,38 @@ class TrainerFaultTolerance:
 
     # ------------------------------------------------------------------------------ between steps
     def between_steps(self, run: Callable[[], Any], fallback: Callable[[], Any]) -> Any:
-        """A collective of Lightning's between steps (see the module's docstring)."""
+        """A collective of Lightning's between steps (see the module's docstring): voted on, and run again
+        over the members present when it failed on any; ``fallback()`` outside a training process."""
         if self.fault is None or not dist.is_initialized():
             return fallback()
         return self.fault.outside_step(run, fallback)
+
+    def verification(self, verify: Callable[[], None]) -> None:
+        self.between_steps(verify, lambda: None)
+
+    def barrier(self, default: Default) -> None:
+        """Nothing: a barrier cannot tell a slow member from a lost one, and the members meet at every step
+        anyway."""
+
+    # ------------------------------------------------------------------------------------ checkpoints
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], add_state: Callable[[], None], write: Default
+    ) -> None:
+        """The hook's shared state goes in the membership record (no per-rank state is added); the write is
+        voted on: if rank 0 is lost before or while writing, the new rank 0 writes it, so that the file
+        exists wherever ModelCheckpoint records it (outside a training process: written as usual)."""
+        if self.fault is not None:
+            checkpoint[CHECKPOINT_KEY] = self.membership_record()
+        self.between_steps(write, write)
+
+    def remove_checkpoint(self, remove: Default) -> None:
+        """Voted on as a save is: a file ModelCheckpoint drops from its top-k is removed by whichever
+        process is rank 0 once every member agreed, not left behind by a lost one."""
+        self.between_steps(remove, remove)
+
+    def load_checkpoint(self, checkpoint: dict[str, Any], take_state: Callable[[], None]) -> None:
+        """The hook's shared state is the membership record's (see :meth:`resume`)."""
+        self.resume(checkpoint)
 
     def agree(self, decision: bool) -> bool:
         """A boolean decision between steps, one on every member even if its collective failed on some
@@ -419,6 +583,108 @@ class TrainerFaultTolerance:
         self.metrics.release()
         if self.fault is not None:
             self.fault.close()
+
+
+class FaultTolerantFabricRun(FabricRun):
+    """The Fabric strategy's run with ``fault_tolerance``: ``fabric.launch()`` joins the run, and the loop
+    steps through ``fabric.strategy.fault_manager`` (docs/fault-tolerance.md). Before it joined (the
+    launching process) the seams that need a membership behave as the plain run's."""
+
+    def __init__(self, options: FaultToleranceOptions) -> None:
+        self.options = options
+        self._fault: Optional[FaultTolerance] = None
+        self._metrics = MetricSyncGuard(self._sync_between_steps)  # torchmetrics' own syncs, at set-up
+
+    @property
+    def fault(self) -> Optional[FaultTolerance]:
+        return self._fault
+
+    def cluster_environment(self, given: Optional["ClusterEnvironment"]) -> "ClusterEnvironment":
+        return fault_tolerant_environment(given)
+
+    def launcher(self, strategy: "FabricStrategy", start_method: str) -> Any:
+        refuse_several_machines(strategy.num_nodes)
+        environment = strategy.cluster_environment
+        assert isinstance(environment, FaultTolerantEnvironment)
+        environment.num_processes = strategy.num_processes
+        return FabricFaultTolerantLauncher(strategy.num_processes, self.options)
+
+    def distributed_sampler_kwargs(self, strategy: "FabricStrategy", default: Default) -> dict[str, Any]:
+        """The membership's world size and rank, not the devices'."""
+        return {"num_replicas": strategy.world_size, "rank": strategy.global_rank}
+
+    def setup_distributed(
+        self, strategy: "FabricStrategy", default: Default, backend: Callable[[], str]
+    ) -> None:
+        """Join the run (its group is the membership's); ranks follow it."""
+        check_backend(backend())
+        fault = join_run(self.options)
+        environment = strategy.cluster_environment
+        assert isinstance(environment, FaultTolerantEnvironment)
+        self._fault = environment.fault = fault
+        fault.generation_listeners.append(lambda generation: follow_rank(generation.rank_of(fault.uid)))
+        follow_rank(fault.rank)
+
+    def wrap(
+        self, module: nn.Module, config: "DDPXConfig", device_ids: Optional[list[int]]
+    ) -> DistributedDataParallel:
+        """Healed at the first step (a newcomer) or already equal (the first generation): no broadcast at
+        the wrap; the hook follows the membership."""
+        fault = self._fault
+        if fault is None:
+            return super().wrap(module, config, device_ids)
+        wrapped = config.wrap(module, device_ids=device_ids, init_sync=fault.generation.number == 1)
+        attach_hook(fault, wrapped, config)
+        self._metrics.guard(module)  # a loss during a metric's sync: its own value
+        return wrapped
+
+    def track_optimizer(self, optimizer: Any) -> None:
+        if self._fault is not None:
+            self._fault.track(optimizer)  # a newcomer receives its state with the model's
+
+    def process_dataloader(self, dataloader: Any, lockstep: Default) -> Any:
+        return dataloader  # the loop keys its data on the fault tolerance's step, rank and world size
+
+    def average_after_step(self, module: DistributedDataParallel, optimizers: Sequence[Any]) -> None:
+        """Snapshotted, voted on, retried over the survivors."""
+        if self._fault is None:
+            return super().average_after_step(module, optimizers)
+        self._fault.average_after_step(list(optimizers))
+
+    def verification(self, verify: Callable[[], None]) -> None:
+        self.between_steps(verify, None)
+
+    def barrier(self, default: Default) -> None:
+        """Nothing: a barrier cannot tell a slow member from a lost one."""
+
+    def between_steps(self, run: Default, own: Any) -> Any:
+        """A collective that fails between steps gives this process's own value (``own``) and the
+        membership changes at the next step; inside a step a failure is the step's."""
+        return self._sync_between_steps(run, lambda: own)
+
+    def _sync_between_steps(self, run: Default, fallback: Default) -> Any:
+        if self._fault is None:
+            return run()
+        return self._fault.outside_step(run, fallback)
+
+    def state_to_save(self, state: dict[str, Any], with_ours: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """The membership record (with the hook's shared state) instead of per-rank entries; the
+        membership's rank 0 writes."""
+        if self._fault is None:
+            return super().state_to_save(state, with_ours)
+        return {**state, CHECKPOINT_KEY: membership_record(self._fault)}
+
+    def load_checkpoint(self, remainder: dict[str, Any], restore_ours: Callable[[], None]) -> None:
+        """PowerSGD's or DiLoCo's shared state, from the membership record, once the hook exists."""
+        if self._fault is None:
+            return super().load_checkpoint(remainder, restore_ours)
+        entry = remainder.pop(CHECKPOINT_KEY, None) or {}
+        self._fault.load_hook_state_dict(entry.get("hook"))
+
+    def close(self) -> None:
+        self._metrics.release()
+        if self._fault is not None:
+            self._fault.close()
 
 
 def follow_rank(rank: int) -> None:

@@ -28,7 +28,7 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -50,26 +50,17 @@ from lightning_ddpx.lightning.checkpoint_io import AtomicCheckpointIO
 from lightning_ddpx.lightning.compile import apply_lightning_compile
 from lightning_ddpx.lightning.config import (
     TRAINER_STRATEGY_NAMES,
+    DDPXConfig,
     DDPXConfigAttributes,
     register_strategy_names,
 )
 from lightning_ddpx.lightning.ddp_kwargs import build_ddpx_config, torch_ddp_kwargs
-from lightning_ddpx.lightning.fault_tolerance_launch import (
-    FaultTolerantEnvironment,
-    FaultTolerantLauncher,
-    in_training_process,
-)
-from lightning_ddpx.lightning.fault_tolerance_setup import (
-    CHECKPOINT_KEY,
-    TrainerFaultTolerance,
-    check_trainer,
-    follow_rank,
-)
+from lightning_ddpx.lightning.fault_tolerance_setup import FaultTolerantTrainerRun
 from lightning_ddpx.lightning.options import takes_ddpx_options
-from lightning_ddpx.lightning.popen_launcher import PopenLauncher
 from lightning_ddpx.lightning.process_exit import destroy_process_group_at_exit
 from lightning_ddpx.lightning.replica_verification import ReplicaVerifier
 from lightning_ddpx.lightning.restart_rendezvous import create_default_group
+from lightning_ddpx.lightning.trainer_run import TrainerRun
 from lightning_ddpx.lightning.uneven import StepQueue
 
 __all__ = ["UNUSED_PARAMETERS_HINT", "DDPXStrategy"]
@@ -129,18 +120,9 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     ) -> None:
         # Validate everything before Lightning sees the strategy: a typo fails at once, not after launch.
         self.ddpx_config = build_ddpx_config(type(self).__name__, "Trainer", kwargs)
-        fault_options = self.ddpx_config.fault_tolerance
-        if fault_options is not None:
-            if cluster_environment is not None:
-                raise ValueError(
-                    f"DDPXStrategy: fault_tolerance brings its own cluster environment (ranks follow the "
-                    f"membership); got cluster_environment={type(cluster_environment).__name__}. On several "
-                    "machines, start the script with python -m lightning_ddpx.fault.launch on each "
-                    "(docs/fault-tolerance.md)."
-                )
-            cluster_environment = FaultTolerantEnvironment()
-        # with fault_tolerance: what the strategy does differently in a training process (fault_tolerance_setup)
-        self._fault = TrainerFaultTolerance(fault_options) if fault_options is not None else None
+        # how the processes run, chosen once: plain, or fault tolerant (lightning/trainer_run.py)
+        self._run = _choose_run(self.ddpx_config)
+        cluster_environment = self._run.cluster_environment(cluster_environment)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -195,26 +177,10 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     # ------------------------------------------------------------------------------------------ setup
     @override
     def _configure_launcher(self) -> None:
-        if self._fault is None:
-            if self._start_method != "popen":
-                return super()._configure_launcher()
-            assert self.cluster_environment is not None
-            # Lightning's, naming a lost process before anything is killed (lightning/popen_launcher.py)
-            self._launcher = PopenLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-            return
-        if self.num_nodes > 1 and not in_training_process():
-            raise ValueError(
-                "DDPXStrategy: with fault_tolerance on several machines, start the script with "
-                "python -m lightning_ddpx.fault.launch on each machine (docs/fault-tolerance.md); the strategy's "
-                f"own launcher supervises one machine (num_nodes={self.num_nodes})."
-            )
-        assert isinstance(self.cluster_environment, FaultTolerantEnvironment)
-        self.cluster_environment.num_processes = self.num_processes
-        self._launcher = FaultTolerantLauncher(
-            self.num_processes,
-            self._fault.options,
-            check=lambda trainer: check_trainer(trainer, self._get_process_group_backend()),
-        )
+        launcher = self._run.launcher(self, self._start_method, self._get_process_group_backend)
+        if launcher is None:
+            return super()._configure_launcher()
+        self._launcher = launcher
 
     @override
     def setup_environment(self) -> None:
@@ -226,34 +192,27 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """With fault_tolerance, the membership's world size and rank (a world of one in the launching
         process after fit), not the devices': a loader built after a change is sharded by the members."""
-        if self._fault is None:
-            return super().distributed_sampler_kwargs
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+        return self._run.distributed_sampler_kwargs(
+            self, lambda: super(DDPXStrategy, self).distributed_sampler_kwargs
+        )
 
     @override
     def setup_distributed(self) -> None:
         """With fault_tolerance, a training process joins the run (its group is the membership's); the
         launching process, after fit, is a world of one."""
-        if self._fault is None:
-            self.set_world_ranks()
-            # torchrun shares its store across restarts: this round's keys only (lightning.restart_rendezvous)
-            create_default_group(
-                self.cluster_environment, self._get_process_group_backend(), self._timeout, self.root_device
-            )
-            return super().setup_distributed()  # Lightning's creation, when that created none
-        if not in_training_process():
-            self.set_world_ranks()
-            return
-        assert isinstance(self._launcher, FaultTolerantLauncher)
-        check_trainer(self._launcher.trainer, self._get_process_group_backend())
-        self._fault.join(self._launcher.trainer, self.cluster_environment)
+        self._run.setup_distributed(self, self._create_default_group, self._get_process_group_backend)
+
+    def _create_default_group(self) -> None:
         self.set_world_ranks()
+        # torchrun shares its store across restarts: this round's keys only (lightning.restart_rendezvous)
+        create_default_group(
+            self.cluster_environment, self._get_process_group_backend(), self._timeout, self.root_device
+        )
+        super().setup_distributed()  # Lightning's creation, when that created none
 
     @override
     def set_world_ranks(self) -> None:
-        if self._fault is None:
-            return super().set_world_ranks()
-        follow_rank(self.global_rank)  # the membership's rank (the environment's)
+        self._run.set_world_ranks(self, lambda: super(DDPXStrategy, self).set_world_ranks())
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -286,8 +245,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         if fitting:
             lightning_compat.optimizers_to_device(self.optimizers, self.root_device)
             self._enable_model_averaging()
-            if self._fault is not None and self.lightning_module is not None:
-                self._fault.metrics.guard(self.lightning_module)  # a loss in a metric's sync: its own value
+            self._run.after_setup(self.lightning_module)
 
     @override
     def _enable_model_averaging(self) -> None:
@@ -310,22 +268,30 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         """Step, then (post-local SGD) average the model's optimized parameters when due.
 
         With ``overlap_optimizer`` the closure's backward steps the optimizer: run only the closure."""
-        if self._fault is not None and self._fault.fault is not None:
-            trainer = lightning_compat.trainer_of(self.lightning_module)
-            output = self._fault.optimizer_step(
-                lambda done: super(DDPXStrategy, self).optimizer_step(optimizer, done, model, **kwargs),
-                closure,
-                trainer.fit_loop.epoch_loop.batch_idx if trainer is not None else -1,
-                self.optimizers,
-            )
-            if self._averaging is not None and self.comm_stats_every_n_steps and trainer is not None:
-                diloco_setup.log_outer_syncs(self._hook_state, trainer)  # DiLoCo: bytes of each outer sync
-            self._replicas.after_optimizer_step(
-                self._our_model(), around=lambda verify: self._fault.between_steps(verify, lambda: None)
-            )
-            return output
+        trainer = (
+            lightning_compat.trainer_of(self.lightning_module) if self.lightning_module is not None else None
+        )
+        output = self._run.optimizer_step(
+            lambda done: self._step_optimizer(optimizer, done, model, **kwargs),
+            closure,
+            trainer.fit_loop.epoch_loop.batch_idx if trainer is not None else -1,
+            self.model if isinstance(self.model, DistributedDataParallel) else None,
+            self.optimizers,
+        )
+        if self._averaging is not None and self.comm_stats_every_n_steps and trainer is not None:
+            diloco_setup.log_outer_syncs(self._hook_state, trainer)  # DiLoCo: bytes of each outer sync
+        self._replicas.after_optimizer_step(self._our_model(), around=self._run.verification)
+        return output
+
+    def _step_optimizer(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union[LightningModule, torch.nn.Module]],
+        **kwargs: Any,
+    ) -> Any:
         if self.overlap_optimizer:
-            output = optimizer_overlap_setup.step_with_closure(
+            return optimizer_overlap_setup.step_with_closure(
                 self.precision_plugin,
                 self.model,
                 model or self.lightning_module,
@@ -333,17 +299,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
                 closure,
                 **kwargs,
             )
-        else:
-            output = super().optimizer_step(optimizer, closure, model, **kwargs)
-            if self._averaging is not None:
-                assert isinstance(self.model, DistributedDataParallel)
-                post_local_sgd_setup.average_after_step(self.model, self.optimizers)
-                if self.comm_stats_every_n_steps and self.lightning_module is not None:
-                    trainer = lightning_compat.trainer_of(self.lightning_module)
-                    if trainer is not None:  # DiLoCo: bytes of each outer sync
-                        diloco_setup.log_outer_syncs(self._hook_state, trainer)
-        self._replicas.after_optimizer_step(self._our_model())
-        return output
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     def _our_model(self) -> list[DistributedDataParallel]:
         return [self.model] if isinstance(self.model, DistributedDataParallel) else []
@@ -362,31 +318,16 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
-        fault = self._fault.fault if self._fault is not None else None
-        # a newcomer to a fault-tolerant run is healed at its first boundary, not by a broadcast at the wrap
-        init_sync = None if fault is None else fault.generation.number == 1
-        return self.ddpx_config.wrap(model, device_ids=self.determine_ddp_device_ids(), init_sync=init_sync)
+        return self.ddpx_config.wrap(
+            model, device_ids=self.determine_ddp_device_ids(), init_sync=self._run.init_sync()
+        )
 
     @override
     def _register_ddp_hooks(self) -> None:
         """Build and register the communication hook, on every device type (CPU included)."""
         assert isinstance(self.model, DistributedDataParallel)
-        if self._fault is not None and self._fault.fault is not None:  # the hook follows the membership
-            config, fault = self.ddpx_config, self._fault.fault
-            fault.attach(
-                self.model,
-                comm_hook=config.comm_hook,  # a name: check_options refused the rest
-                comm_wrapper=config.comm_wrapper,
-                powersgd=config.powersgd,
-                diloco=config.diloco,
-                post_local_sgd=config.post_local_sgd if config.comm_hook == "post_local_sgd" else None,
-                synchronized=fault.generation.number == 1,
-            )
-            self._hook_state = fault.comm_hook_state
-            return
         log.debug(f"{type(self).__name__}: registering comm hook {self.hook_name}")
-        self._hook_state = self.ddpx_config.register_hook(self.model)
-        self._hook_registered = True
+        self._hook_state, self._hook_registered = self._run.register_hook(self.model, self.ddpx_config)
 
     # ---------------------------------------------------------------------------------- uneven inputs
     @override
@@ -395,16 +336,14 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         dataloader = super().process_dataloader(dataloader)
         module = self.lightning_module
         trainer = lightning_compat.trainer_of(module) if module is not None else None
-        if trainer is not None and self._fault is not None:  # sharded by the membership, resharded with it
-            if trainer.state.stage == RunningStage.TRAINING:
-                self._fault.watch_samplers(dataloader)
-            elif trainer.state.stage in (RunningStage.VALIDATING, RunningStage.SANITY_CHECKING):
-                self._fault.watch_validation_samplers(dataloader)
+        if trainer is None:
             return dataloader
-        if trainer is None or trainer.state.stage != RunningStage.TRAINING:
-            return dataloader
-        return self.ddpx_config.wrap_training_loader(
-            dataloader, dist.group.WORLD, self.root_device, self._uneven_steps, for_fabric=False
+        return self._run.process_dataloader(
+            dataloader,
+            trainer.state.stage,
+            lambda: self.ddpx_config.wrap_training_loader(
+                dataloader, dist.group.WORLD, self.root_device, self._uneven_steps, for_fabric=False
+            ),
         )
 
     @property
@@ -415,10 +354,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self._fault is not None:
-            if batch_idx == 0:
-                self._fault.epoch_boundary()  # once per epoch: here if no DistributedSampler's set_epoch came first
-            self._fault.begin_batch()
+        self._run.on_train_batch_start(batch_idx)
         info = self._uneven_steps.advance()
         if info is not None and isinstance(self.model, DistributedDataParallel):
             self.model.buffer_source_rank = info.authority  # not a rank that is only replaying
@@ -436,46 +372,43 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         """With fault_tolerance, nothing: a barrier cannot tell a slow member from a lost one, and the
         members meet at every step anyway."""
-        if self._fault is None:
-            super().barrier(*args, **kwargs)
+        self._run.barrier(lambda: super(DDPXStrategy, self).barrier(*args, **kwargs))
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if self._fault is None:
-            return super().broadcast(obj, src)
-        return self._fault.between_steps(lambda: super(DDPXStrategy, self).broadcast(obj, src), lambda: obj)
+        return self._run.between_steps(lambda: super(DDPXStrategy, self).broadcast(obj, src), lambda: obj)
 
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-        if self._fault is None:
-            return super().reduce(tensor, group, reduce_op)
-        return self._fault.between_steps(
+        return self._run.between_steps(
             lambda: super(DDPXStrategy, self).reduce(tensor, group, reduce_op), lambda: tensor
         )
 
     @override
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
-        if self._fault is None:
-            return super().all_gather(tensor, group, sync_grads)
-        return self._fault.between_steps(
+        return self._run.between_steps(
             lambda: super(DDPXStrategy, self).all_gather(tensor, group, sync_grads),
             lambda: tensor.unsqueeze(0),
         )
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        if self._fault is None:
-            return super().reduce_boolean_decision(decision, all)
-        reached = self._fault.between_steps(
+        reached = self._run.between_steps(
             lambda: super(DDPXStrategy, self).reduce_boolean_decision(decision, all), lambda: decision
         )
-        return self._fault.agree(reached)  # one decision on every member, the reduction failed or not
+        return self._run.agree(reached)  # one decision on every member, the reduction failed or not
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """With fault_tolerance, the LightningModule's own step: the wrapper's forward would synchronise
         buffers, a collective outside the training steps the members agree on."""
-        if self._fault is None or self.lightning_module is None:
+        return self._run.validation_step(
+            lambda: super(DDPXStrategy, self).validation_step(*args, **kwargs),
+            lambda: self._own_validation_step(*args, **kwargs),
+        )
+
+    def _own_validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.lightning_module is None:
             return super().validation_step(*args, **kwargs)
         with self.precision_plugin.val_step_context():
             return self.lightning_module.validation_step(*args, **kwargs)
@@ -493,8 +426,8 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             # manual_backward arms it (pre_backward), with its own loss.
             with self.model.no_sync():
                 return super().training_step(*args, **kwargs)
-        if self._fault is not None and self._sync_blocked:  # a micro-batch that accumulates locally
-            return self._fault.accumulating_step(
+        if self._sync_blocked:  # a micro-batch that accumulates locally
+            return self._run.accumulating_step(
                 lambda: super(DDPXStrategy, self).training_step(*args, **kwargs), self.root_device
             )
         return super().training_step(*args, **kwargs)
@@ -561,23 +494,18 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         Also after ``fit`` (``trainer.save_checkpoint`` once training ended): the state outlives the module.
         Weights-only checkpoints (no optimizer states) stay weights only.
         """
-        if self._fault is not None:  # the hook's shared state in the membership record; its rank 0 writes
-            self._replicas.before_save(
-                self._our_model(), around=lambda verify: self._fault.between_steps(verify, lambda: None)
-            )
-            if self._fault.fault is not None:
-                checkpoint[CHECKPOINT_KEY] = self._fault.membership_record()
+        # a diverged run must not be saved as rank 0's weights
+        self._replicas.before_save(self._our_model(), around=self._run.verification)
+        self._run.save_checkpoint(
+            checkpoint,
+            lambda: self._add_ddpx_state(checkpoint),
+            lambda: super(DDPXStrategy, self).save_checkpoint(
+                checkpoint, filepath, storage_options=storage_options
+            ),
+        )
 
-            def write() -> None:
-                super(DDPXStrategy, self).save_checkpoint(
-                    checkpoint, filepath, storage_options=storage_options
-                )
-
-            # voted on: if rank 0 is lost before or while writing, the new rank 0 writes it, so that the
-            # file exists wherever ModelCheckpoint records it (outside a training process: written as usual)
-            self._fault.between_steps(write, write)
-            return
-        self._replicas.before_save(self._our_model())  # a diverged run must not be saved as rank 0's weights
+    def _add_ddpx_state(self, checkpoint: dict[str, Any]) -> None:
+        """Every rank's replica with parameter averaging, and the hook's state (its entry)."""
         if self._averaging is not None and "optimizer_states" in checkpoint and dist.is_initialized():
             self._add_local_replicas(checkpoint)
         if self._hook_registered and "optimizer_states" in checkpoint and dist.is_initialized():
@@ -590,19 +518,12 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             entry = self.ddpx_config.hook_entry(self._hook_state, dist.group.WORLD, layout)
             if entry is not None:
                 checkpoint[checkpoint_state.CHECKPOINT_KEY] = entry
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def remove_checkpoint(self, filepath: PATH) -> None:
         """With fault_tolerance, voted on as a save is: a file ModelCheckpoint drops from its top-k is
         removed by whichever process is rank 0 once every member agreed, not left behind by a lost one."""
-        if self._fault is None:
-            return super().remove_checkpoint(filepath)
-
-        def remove() -> None:
-            super(DDPXStrategy, self).remove_checkpoint(filepath)
-
-        self._fault.between_steps(remove, remove)
+        self._run.remove_checkpoint(lambda: super(DDPXStrategy, self).remove_checkpoint(filepath))
 
     @override
     def load_checkpoint(self, checkpoint_path: PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -610,14 +531,14 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         checkpoint = super().load_checkpoint(
             checkpoint_path, **lightning_compat.weights_only_argument(weights_only)
         )
-        if self._fault is not None:  # the hook's shared state is the fault tolerance's entry
-            self._fault.resume(checkpoint)
-            return checkpoint
+        self._run.load_checkpoint(checkpoint, lambda: self._take_ddpx_state(checkpoint))
+        return checkpoint
+
+    def _take_ddpx_state(self, checkpoint: dict[str, Any]) -> None:
         self._take_local_replica(checkpoint)
         self._pending_hook_entry = (checkpoint.get(checkpoint_state.CHECKPOINT_KEY),)
         if isinstance(self.model, DistributedDataParallel):  # already set up: apply now
             self._restore_hook_state()
-        return checkpoint
 
     def _add_local_replicas(self, checkpoint: dict[str, Any]) -> None:
         """Post-local SGD: every rank's weights and optimizer state (see :mod:`lightning_ddpx.lightning.local_replicas`)."""
@@ -688,14 +609,19 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             self.model = layer_sync.revert(self.model)
         # Skip DDPStrategy.teardown, which inspects torch's DDP; the rest of the chain is generic.
         ParallelStrategy.teardown(self)
-        if self._fault is not None:
-            self._fault.close()  # leaves the run: the membership stops waiting for this process
+        self._run.close()  # fault tolerance: leaves the run, the membership stops waiting for this process
 
     # ------------------------------------------------------------------------------------- registry
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: lightning_compat.StrategyRegistry) -> None:
         register_strategy_names(cls, strategy_registry, TRAINER_STRATEGY_NAMES)
+
+
+def _choose_run(config: DDPXConfig) -> TrainerRun:
+    """The run of a strategy with ``config``: fault tolerant when ``fault_tolerance`` is set, else plain."""
+    options = config.fault_tolerance
+    return TrainerRun() if options is None else FaultTolerantTrainerRun(options)
 
 
 def _remove_gradient_hooks(module: DistributedDataParallel) -> None:
