@@ -621,6 +621,6 @@ def test_no_strategy_method_asks_whether_fault_tolerance_is_on() -> None:
                 words |= {n.id for n in ast.walk(test) if isinstance(n, ast.Name)}
                 if any("fault" in word for word in words):
                     offenders.append(f"lightning_ddpx/lightning/{name}:{test.lineno}: {ast.unparse(test)}")
-    assert not offenders, "branch on fault tolerance in a strategy method (move it to the run):\n" + "\n".join(
-        offenders
+    assert not offenders, (
+        "branch on fault tolerance in a strategy method (move it to the run):\n" + "\n".join(offenders)
     )
