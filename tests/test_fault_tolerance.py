@@ -563,12 +563,15 @@ def _module_seams(rank: int, world_size: int) -> dict:
             model.failure_report_wait_s = wrong
         except (TypeError, ValueError) as error:
             seen.setdefault("refused", []).append(f"{type(error).__name__}: {error}")
+    seen["released_before"] = model.released
     model.release_process_group()
+    seen["released_state"] = model.released
     try:
         _ = model.reducer
     except RuntimeError as error:
         seen["released"] = str(error)
     model.use_process_group(dist.new_group(list(range(world_size))))
+    seen["released_after"] = model.released
     seen["after_new_group"] = model.reducer.progress.final_grace_s
     model(torch.ones(1, 2)).sum().backward()  # it reduces on the new group
     model.close()
@@ -584,3 +587,4 @@ def test_the_modules_fault_tolerance_seams_keep_their_settings_and_refuse_a_rele
     assert negative.startswith("ValueError") and "failure_report_wait_s must be seconds >= 0" in negative
     assert a_bool.startswith("TypeError") and text.startswith("TypeError") and "a number of seconds" in text
     assert "released its process group" in seen["released"] and "use_process_group()" in seen["released"]
+    assert (seen["released_before"], seen["released_state"], seen["released_after"]) == (False, True, False)

@@ -599,7 +599,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         if self._averaging is not None:
             self._averaging.finish()  # no DiLoCo exchange left in flight when the group goes
         if isinstance(self.model, DistributedDataParallel):
-            if self.model.process_group is not None:  # else released after a fault-tolerant member's failure
+            if not self.model.released:  # a fault-tolerant member whose step failed has no reducer now
                 self._final_bucket_layout = self.model.reducer_state_dict()  # for save_checkpoint after fit
             _remove_gradient_hooks(self.model)
             self.model = pl_module  # unwrap

@@ -264,147 +264,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         reducer.progress.final_grace_s = self._failure_report_wait_s
         return reducer
 
-    def use_process_group(
-        self, process_group: dist.ProcessGroup, comm_hook: tuple[Any, CommHook] | None = None
-    ) -> None:
-        """Average over ``process_group`` from now on: the membership of a fault-tolerant run changed
-        (:mod:`lightning_ddpx.fault`), and every member calls this, between iterations, with the new group.
-
-        The old reducer is closed without waiting for its group, whose peers may be gone, and a new one is
-        built with no collective: its default path is chosen with every rank at the first settings check
-        (:class:`~lightning_ddpx.engine.transport.transports.UndecidedDefault` says why). The parameters are
-        not broadcast: the caller makes the members' replicas equal (a newcomer is healed from a live peer)
-        and proves it. ``comm_hook``: the ``(state, hook)`` the new reducer uses; a module with a registered hook needs it
-        (only the caller knows whether the hook's state can follow a new group). A parameter averaging it
-        brings (DiLoCo's outer step) stays bound as it was: its anchors and counters are kept.
-        """
-        if not isinstance(process_group, dist.ProcessGroup):
-            raise TypeError(
-                "lightning_ddpx.DistributedDataParallel.use_process_group: process_group must be a "
-                f"torch.distributed.ProcessGroup, got {type(process_group).__name__}."
-            )
-        reducer = self._reducer
-        if reducer is not None:
-            reducer.require_between_iterations(
-                f"lightning_ddpx (rank {self.rank}): use_process_group was called while this rank's backward "
-                "was reducing; call it between iterations."
-            )
-            if reducer.hook_registered and comm_hook is None:
-                raise RuntimeError(
-                    f"lightning_ddpx: a communication hook ({reducer.transport.name}) is registered; "
-                    "use_process_group needs comm_hook=(state, hook) for the new group."
-                )
-            reducer.close()
-        self.process_group = process_group
-        self.world_size = dist.get_world_size(process_group)
-        self.rank = dist.get_rank(process_group)
-        self.buffer_source_rank = 0
-        self._shared_memory_obstacles = None  # the new group's ranks are asked at its settings check
-        self._reducer = self._new_reducer()
-        if comm_hook is not None:
-            self.register_comm_hook(*comm_hook)
-
-    def release_process_group(self) -> None:
-        """Drop every reference this module holds to its process group (the reducer with it), so that
-        destroying the group closes this rank's connections at once: a fault-tolerant member whose step
-        failed does this, and a peer still blocked on it in the failed collective fails immediately instead
-        of after the group's timeout. Nothing synchronises until :meth:`use_process_group` gives a new group."""
-        if self._reducer is not None:
-            self._reducer.close()
-            self._reducer = None
-        self.process_group = None  # type: ignore[assignment]
-
-    @property
-    def failure_report_wait_s(self) -> float:
-        """How long a rank whose collective failed waits for the other ranks' final progress records before
-        raising, so that its error can say what they were doing (1 s). Fault tolerance sets 0: a lost rank
-        writes none, and the survivors must go on at once."""
-        return self._failure_report_wait_s
-
-    @failure_report_wait_s.setter
-    def failure_report_wait_s(self, seconds: float) -> None:
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
-            raise TypeError(
-                "lightning_ddpx.DistributedDataParallel: failure_report_wait_s must be a number of seconds, got "
-                f"{seconds!r} ({type(seconds).__name__})."
-            )
-        if not seconds >= 0:
-            raise ValueError(
-                f"lightning_ddpx.DistributedDataParallel: failure_report_wait_s must be seconds >= 0, got {seconds!r}."
-            )
-        self._failure_report_wait_s = float(seconds)
-        if self._reducer is not None:
-            self._reducer.progress.final_grace_s = self._failure_report_wait_s
-
-    def synced_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """The module's parameters this module synchronises: all but those torch's ignore list names."""
-        return [(n, p) for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore]
-
-    @staticmethod
-    def _set_params_and_buffers_to_ignore_for_model(
-        module: nn.Module, params_and_buffers_to_ignore: Iterable[str]
-    ) -> None:
-        """torch's way to exclude parameters and buffers (fully qualified names) from data parallelism:
-        call it on the module before wrapping; each rank then keeps its own values and gradients of them."""
-        set_params_and_buffers_to_ignore(module, params_and_buffers_to_ignore)
-
-    @property
-    def forward_sync_buffers(self) -> bool:
-        """torch 2.13's name for :attr:`broadcast_buffers` (rank 0's buffers before each synchronised forward)."""
-        return self.broadcast_buffers
-
-    @forward_sync_buffers.setter
-    def forward_sync_buffers(self, value: bool) -> None:
-        self.broadcast_buffers = value
-
-    @property
-    def reducer(self) -> Reducer:
-        """This module's reducer; after unpickling, built at first use (forward, ``no_sync``, a hook...)."""
-        if self._reducer is None and self.process_group is None:
-            raise RuntimeError(
-                "lightning_ddpx: this module released its process group (a fault-tolerant member's step "
-                "failed); it synchronises again once use_process_group() gives it the new membership's group."
-            )
-        if self._reducer is None:
-            self._reducer = self._new_reducer()
-        return self._reducer
-
-    # ------------------------------------------------------------------------------- pickle and copy
-    def __getstate__(self) -> dict[str, Any]:
-        """What pickling and ``copy.deepcopy`` keep: everything but the process group and the reducer
-        (:mod:`lightning_ddpx.engine.module.pickling`; as torch's DDP, only over the default group)."""
-        state = state_to_pickle(self.__dict__, self.process_group)
-        state["_reducer"] = None  # a new one at first use, with hooks, flags and statistics of its own
-        state["_shared_memory_obstacles"] = None  # the process that loads it has its own environment
-        state["_usage_log"] = UsageLog()  # as torch's: a new logger
-        state.pop("_averaging", None)  # it came with the hook, which the copy registers anew
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """Rebuild what pickling left behind: the default group now; the reducer at first use, so that
-        loading on one rank (e.g. for inference) does not wait for the others."""
-        process_group = group_for_unpickling()
-        super().__setstate__(state)
-        self.process_group = process_group
-        register_exit_handler()
-
-    # ---------------------------------------------------------------------------- static graph (torch)
-    @errors_logged
-    def _set_static_graph(self) -> None:
-        """torch's private ``_set_static_graph()``: the same as ``static_graph=True`` at construction.
-
-        Training code calls it after wrapping (e.g. with activation checkpointing); allowed only before the
-        first synchronised backward. Called again, it warns and does nothing, as torch's does.
-        """
-        if allow_late_static_graph(
-            self.static_graph,
-            self.reducer.iterations_synced,
-            not self.reducer.synchronising_started(),
-            self.find_unused_parameters,
-        ):
-            self.static_graph = True
-            self.reducer.set_static_graph()
-
     # ------------------------------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         will_sync = self._before_forward()
@@ -575,7 +434,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         must finish as it started. A module whose process group was released (a fault-tolerant member's
         failure) reduces nothing until it gets a new one: inside, it accumulates locally all the same.
         """
-        released = self._reducer is None and self.process_group is None
+        released = self.released
         if not released:
             self.reducer.require_between_iterations(
                 lambda: reducer_messages.no_sync_while_reducing(self.rank)
@@ -697,6 +556,86 @@ class DistributedDataParallel(nn.Module, Joinable):
         if not self._trainable.keeps_layout_for_later(state):
             self.reducer.load_order_state(state)
 
+    # --------------------------------------------------------- membership changes (fault tolerance)
+    def use_process_group(
+        self, process_group: dist.ProcessGroup, comm_hook: tuple[Any, CommHook] | None = None
+    ) -> None:
+        """Average over ``process_group`` from now on: the membership of a fault-tolerant run changed
+        (:mod:`lightning_ddpx.fault`), and every member calls this, between iterations, with the new group.
+
+        The old reducer is closed without waiting for its group, whose peers may be gone, and a new one is
+        built with no collective: its default path is chosen with every rank at the first settings check
+        (:class:`~lightning_ddpx.engine.transport.transports.UndecidedDefault` says why). The parameters are
+        not broadcast: the caller makes the members' replicas equal (a newcomer is healed from a live peer)
+        and proves it. ``comm_hook``: the ``(state, hook)`` the new reducer uses; a module with a registered hook needs it
+        (only the caller knows whether the hook's state can follow a new group). A parameter averaging it
+        brings (DiLoCo's outer step) stays bound as it was: its anchors and counters are kept.
+        """
+        if not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(
+                "lightning_ddpx.DistributedDataParallel.use_process_group: process_group must be a "
+                f"torch.distributed.ProcessGroup, got {type(process_group).__name__}."
+            )
+        reducer = self._reducer
+        if reducer is not None:
+            reducer.require_between_iterations(
+                f"lightning_ddpx (rank {self.rank}): use_process_group was called while this rank's backward "
+                "was reducing; call it between iterations."
+            )
+            if reducer.hook_registered and comm_hook is None:
+                raise RuntimeError(
+                    f"lightning_ddpx: a communication hook ({reducer.transport.name}) is registered; "
+                    "use_process_group needs comm_hook=(state, hook) for the new group."
+                )
+            reducer.close()
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.buffer_source_rank = 0
+        self._shared_memory_obstacles = None  # the new group's ranks are asked at its settings check
+        self._reducer = self._new_reducer()
+        if comm_hook is not None:
+            self.register_comm_hook(*comm_hook)
+
+    @property
+    def released(self) -> bool:
+        """Whether this module let go of its process group (:meth:`release_process_group`, after a
+        fault-tolerant member's step failed) and waits for :meth:`use_process_group`: it synchronises
+        nothing meanwhile."""
+        return self.process_group is None
+
+    def release_process_group(self) -> None:
+        """Drop every reference this module holds to its process group (the reducer with it), so that
+        destroying the group closes this rank's connections at once: a fault-tolerant member whose step
+        failed does this, and a peer still blocked on it in the failed collective fails immediately instead
+        of after the group's timeout. Nothing synchronises until :meth:`use_process_group` gives a new group."""
+        if self._reducer is not None:
+            self._reducer.close()
+            self._reducer = None
+        self.process_group = None  # type: ignore[assignment]
+
+    @property
+    def failure_report_wait_s(self) -> float:
+        """How long a rank whose collective failed waits for the other ranks' final progress records before
+        raising, so that its error can say what they were doing (1 s). Fault tolerance sets 0: a lost rank
+        writes none, and the survivors must go on at once."""
+        return self._failure_report_wait_s
+
+    @failure_report_wait_s.setter
+    def failure_report_wait_s(self, seconds: float) -> None:
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+            raise TypeError(
+                "lightning_ddpx.DistributedDataParallel: failure_report_wait_s must be a number of seconds, got "
+                f"{seconds!r} ({type(seconds).__name__})."
+            )
+        if not seconds >= 0:
+            raise ValueError(
+                f"lightning_ddpx.DistributedDataParallel: failure_report_wait_s must be seconds >= 0, got {seconds!r}."
+            )
+        self._failure_report_wait_s = float(seconds)
+        if self._reducer is not None:
+            self._reducer.progress.final_grace_s = self._failure_report_wait_s
+
     # ------------------------------------------------------------------ uneven inputs: torch's Joinable
     def join(
         self,
@@ -758,6 +697,76 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _join_divides_by_all(self) -> bool:
         """Inside ``join()``: whether the default path keeps dividing by the initial world size."""
         return self._join_divide_by_initial_world_size or self._join_config.throw_on_early_termination
+
+    # ------------------------------------------------------------- settings, the reducer, pickling
+    def synced_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The module's parameters this module synchronises: all but those torch's ignore list names."""
+        return [(n, p) for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore]
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(
+        module: nn.Module, params_and_buffers_to_ignore: Iterable[str]
+    ) -> None:
+        """torch's way to exclude parameters and buffers (fully qualified names) from data parallelism:
+        call it on the module before wrapping; each rank then keeps its own values and gradients of them."""
+        set_params_and_buffers_to_ignore(module, params_and_buffers_to_ignore)
+
+    @property
+    def forward_sync_buffers(self) -> bool:
+        """torch 2.13's name for :attr:`broadcast_buffers` (rank 0's buffers before each synchronised forward)."""
+        return self.broadcast_buffers
+
+    @forward_sync_buffers.setter
+    def forward_sync_buffers(self, value: bool) -> None:
+        self.broadcast_buffers = value
+
+    @property
+    def reducer(self) -> Reducer:
+        """This module's reducer; after unpickling, built at first use (forward, ``no_sync``, a hook...)."""
+        if self._reducer is None and self.released:
+            raise RuntimeError(
+                "lightning_ddpx: this module released its process group (a fault-tolerant member's step "
+                "failed); it synchronises again once use_process_group() gives it the new membership's group."
+            )
+        if self._reducer is None:
+            self._reducer = self._new_reducer()
+        return self._reducer
+
+    # ------------------------------------------------------------------------------- pickle and copy
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickling and ``copy.deepcopy`` keep: everything but the process group and the reducer
+        (:mod:`lightning_ddpx.engine.module.pickling`; as torch's DDP, only over the default group)."""
+        state = state_to_pickle(self.__dict__, self.process_group)
+        state["_reducer"] = None  # a new one at first use, with hooks, flags and statistics of its own
+        state["_shared_memory_obstacles"] = None  # the process that loads it has its own environment
+        state["_usage_log"] = UsageLog()  # as torch's: a new logger
+        state.pop("_averaging", None)  # it came with the hook, which the copy registers anew
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Rebuild what pickling left behind: the default group now; the reducer at first use, so that
+        loading on one rank (e.g. for inference) does not wait for the others."""
+        process_group = group_for_unpickling()
+        super().__setstate__(state)
+        self.process_group = process_group
+        register_exit_handler()
+
+    # ---------------------------------------------------------------------------- static graph (torch)
+    @errors_logged
+    def _set_static_graph(self) -> None:
+        """torch's private ``_set_static_graph()``: the same as ``static_graph=True`` at construction.
+
+        Training code calls it after wrapping (e.g. with activation checkpointing); allowed only before the
+        first synchronised backward. Called again, it warns and does nothing, as torch's does.
+        """
+        if allow_late_static_graph(
+            self.static_graph,
+            self.reducer.iterations_synced,
+            not self.reducer.synchronising_started(),
+            self.find_unused_parameters,
+        ):
+            self.static_graph = True
+            self.reducer.set_static_graph()
 
     # ------------------------------------------------------------------ what the wrapped model tells
     def _get_ddp_logging_data(self) -> dict[str, int | str]:
