@@ -624,3 +624,30 @@ def test_no_strategy_method_asks_whether_fault_tolerance_is_on() -> None:
     assert not offenders, (
         "branch on fault tolerance in a strategy method (move it to the run):\n" + "\n".join(offenders)
     )
+
+
+def _lightning_layer_imports() -> dict[str, set[str]]:
+    """Module of lightning_ddpx/lightning -> the modules of that layer it imports, type-only imports (under
+    ``if TYPE_CHECKING:``) and ``from lightning_ddpx.lightning import a, b`` included."""
+    layer = "lightning_ddpx.lightning"
+    graph: dict[str, set[str]] = {}
+    for path in sorted((PACKAGE / "lightning").glob("*.py")):
+        importer = _module_name(path)
+        found = graph.setdefault(importer, set())
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.startswith(layer + ".")}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                if node.module == layer:
+                    found |= {f"{layer}.{a.name}" for a in node.names}
+                elif node.module.startswith(layer + "."):
+                    found.add(node.module)
+        found.discard(importer)
+    return graph
+
+
+def test_no_import_circle_in_the_lightning_layer_type_only_imports_included() -> None:
+    """A strategy and the runs it delegates to (and the options check and the config) import each other
+    only one way: a run reads its strategy through a protocol (``TrainerStrategyView``)."""
+    circles = _circles(_lightning_layer_imports())
+    assert not circles, "lightning/ modules importing each other in a circle:\n" + "\n".join(circles)

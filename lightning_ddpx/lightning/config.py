@@ -39,7 +39,7 @@ from lightning_ddpx.hooks.registry import (
 from lightning_ddpx.lightning import (
     checkpoint_state,
     diloco_setup,
-    fault_tolerance_setup,
+    fault_tolerance_options,
     optimizer_overlap_setup,
     post_local_sgd_setup,
     replica_verification,
@@ -303,7 +303,7 @@ class DDPXConfig:
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, float(getattr(self, name)))
         if self.fault_tolerance is not None:
-            fault_tolerance_setup.check_options(self)
+            fault_tolerance_options.check_options(self)
 
     @property
     def hook_name(self) -> str:

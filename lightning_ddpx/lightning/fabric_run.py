@@ -9,7 +9,7 @@ no method of the strategy asks which run it is in.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
 
 from torch import nn
 
@@ -23,11 +23,26 @@ if TYPE_CHECKING:
     from lightning_ddpx.fault.manager import FaultTolerance
     from lightning_ddpx.lightning._compat import FabricLauncher
     from lightning_ddpx.lightning.config import DDPXConfig
-    from lightning_ddpx.lightning.fabric import DDPXStrategy
 
-__all__ = ["FabricRun"]
+__all__ = ["FabricRun", "FabricStrategyView"]
 
 Default = Callable[[], Any]
+
+
+class FabricStrategyView(Protocol):
+    """What a run reads of its strategy (:class:`~lightning_ddpx.lightning.fabric.DDPXStrategy`): a protocol, so that the run's
+    module does not import the strategy's, which imports it."""
+
+    @property
+    def cluster_environment(self) -> Any: ...
+    @property
+    def num_nodes(self) -> int: ...
+    @property
+    def num_processes(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def global_rank(self) -> int: ...
 
 
 class FabricRun:
@@ -41,7 +56,7 @@ class FabricRun:
     def cluster_environment(self, given: Optional["ClusterEnvironment"]) -> Optional["ClusterEnvironment"]:
         return given
 
-    def launcher(self, strategy: "DDPXStrategy", start_method: str) -> Optional["FabricLauncher"]:
+    def launcher(self, strategy: FabricStrategyView, start_method: str) -> Optional["FabricLauncher"]:
         """The launcher; ``None`` leaves it to Fabric (``start_method`` other than ``"popen"``)."""
         if start_method != "popen":
             return None
@@ -49,11 +64,11 @@ class FabricRun:
         # Fabric's, naming a lost process before anything is killed (lightning/popen_launcher.py)
         return FabricPopenLauncher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
 
-    def distributed_sampler_kwargs(self, strategy: "DDPXStrategy", default: Default) -> dict[str, Any]:
+    def distributed_sampler_kwargs(self, strategy: FabricStrategyView, default: Default) -> dict[str, Any]:
         return default()
 
     def setup_distributed(
-        self, strategy: "DDPXStrategy", default: Default, backend: Callable[[], str]
+        self, strategy: FabricStrategyView, default: Default, backend: Callable[[], str]
     ) -> None:
         """Create the default process group (``default``: the strategy's own creation)."""
         default()

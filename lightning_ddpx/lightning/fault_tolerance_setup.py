@@ -6,7 +6,8 @@ Fabric strategy's a :class:`FaultTolerantFabricRun` (its loop steps through ``Fa
 protocol (membership, votes, heals) is :class:`~lightning_ddpx.fault.FaultTolerance`'s. The rules both
 strategies follow are written once here: the gloo check (:func:`check_backend`), the cluster environment,
 the hook handed to the fault tolerance (:func:`attach_hook`), the membership record in checkpoints
-(:func:`membership_record`) and the options refused (:func:`check_options`). For the Trainer:
+(:func:`membership_record`); the options refused are
+:func:`~lightning_ddpx.lightning.fault_tolerance_options.check_options`'s. For the Trainer:
 
 - **Steps.** Each optimizer step's closure (forward and backward) runs inside ``FaultTolerance.step()``; the
   optimizer steps only if every member's collectives succeeded. A discarded step counts like a step whose
@@ -56,13 +57,11 @@ from torch.utils.data import DistributedSampler
 from lightning_ddpx.engine.module.data_parallel import DistributedDataParallel
 from lightning_ddpx.fault.manager import (
     FaultTolerance,
-    check_post_local_sgd_options,
-    refuse_unsupported_hook,
 )
 from lightning_ddpx.fault.membership import FaultToleranceError, Generation
 from lightning_ddpx.fault.options import FaultToleranceOptions
 from lightning_ddpx.lightning import _compat as lightning_compat
-from lightning_ddpx.lightning.fabric_run import FabricRun
+from lightning_ddpx.lightning.fabric_run import FabricRun, FabricStrategyView
 from lightning_ddpx.lightning.fault_tolerance_launch import (
     FabricFaultTolerantLauncher,
     FaultTolerantEnvironment,
@@ -74,20 +73,17 @@ from lightning_ddpx.lightning.fault_tolerance_launch import (
 )
 from lightning_ddpx.lightning.fault_tolerance_metrics import MetricSyncGuard
 from lightning_ddpx.lightning.fault_tolerance_state import digest, state_digests
-from lightning_ddpx.lightning.trainer_run import Default, TrainerRun
+from lightning_ddpx.lightning.trainer_run import Default, TrainerRun, TrainerStrategyView
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
 
     from lightning_ddpx.lightning.config import DDPXConfig
-    from lightning_ddpx.lightning.fabric import DDPXStrategy as FabricStrategy
-    from lightning_ddpx.lightning.strategy import DDPXStrategy
 
 __all__ = [
     "CHECKPOINT_KEY",
     "FaultTolerantFabricRun",
     "FaultTolerantTrainerRun",
-    "check_options",
     "check_trainer",
     "follow_rank",
 ]
@@ -97,29 +93,6 @@ log = logging.getLogger(__name__)
 CHECKPOINT_KEY = "lightning_ddpx_fault_tolerance"  # the membership that saved a checkpoint, for the record
 _HANDED_ON_KEY = "lightning_ddpx_handed_on"  # what a newcomer takes beyond the checkpoint (see _handed_on)
 _LOGGER_VERSIONS_KEY = "ft/lightning/logger_versions"
-
-
-def check_options(config: "DDPXConfig") -> None:
-    """Refuse, by name, what cannot survive a membership change, when the strategy is built."""
-    hook = config.comm_hook
-    refuse_unsupported_hook(hook)
-    if hook == "post_local_sgd" and config.post_local_sgd is not None:
-        options = config.post_local_sgd
-        check_post_local_sgd_options(options.subgroup, options.hierarchy, options.period)
-    for name, refused in (
-        ("overlap_optimizer", config.overlap_optimizer),
-        ("comm_state", config.comm_state is not None),
-    ):
-        if refused:
-            raise ValueError(
-                f"DDPXStrategy: fault_tolerance cannot be combined with {name} (it updates or averages "
-                "parameters outside the step the members agree on)."
-            )
-    if config.uneven_inputs == "error":
-        raise ValueError(
-            "DDPXStrategy: fault_tolerance cannot be combined with uneven_inputs='error': every rank's "
-            "training loader is sharded by the membership (equal lengths), and a changed membership reshards it."
-        )
 
 
 def check_backend(backend: str) -> None:
@@ -154,7 +127,7 @@ def refuse_several_machines(num_nodes: int) -> None:
 
 
 def attach_hook(fault: FaultTolerance, model: DistributedDataParallel, config: "DDPXConfig") -> None:
-    """Hand ``model`` and the configured hook (a name: :func:`check_options` refused the rest) to the fault
+    """Hand ``model`` and the configured hook (a name: ``check_options`` refused the rest) to the fault
     tolerance, which builds the hook so that it follows the membership (both strategies)."""
     fault.attach(
         model,
@@ -211,7 +184,7 @@ class FaultTolerantTrainerRun(TrainerRun):
     def cluster_environment(self, given: Optional["ClusterEnvironment"]) -> "ClusterEnvironment":
         return fault_tolerant_environment(given)
 
-    def launcher(self, strategy: "DDPXStrategy", start_method: str, backend: Callable[[], str]) -> Any:
+    def launcher(self, strategy: TrainerStrategyView, start_method: str, backend: Callable[[], str]) -> Any:
         """The fault-tolerant launcher: it supervises one machine's processes and replaces lost ones."""
         refuse_several_machines(strategy.num_nodes)
         environment = strategy.cluster_environment
@@ -221,13 +194,13 @@ class FaultTolerantTrainerRun(TrainerRun):
             strategy.num_processes, self.options, check=lambda trainer: check_trainer(trainer, backend())
         )
 
-    def distributed_sampler_kwargs(self, strategy: "DDPXStrategy", default: Default) -> dict[str, Any]:
+    def distributed_sampler_kwargs(self, strategy: TrainerStrategyView, default: Default) -> dict[str, Any]:
         """The membership's world size and rank (a world of one in the launching process after fit), not
         the devices': a loader built after a change is sharded by the members."""
         return {"num_replicas": strategy.world_size, "rank": strategy.global_rank}
 
     def setup_distributed(
-        self, strategy: "DDPXStrategy", default: Default, backend: Callable[[], str]
+        self, strategy: TrainerStrategyView, default: Default, backend: Callable[[], str]
     ) -> None:
         """A training process joins the run (its group is the membership's); the launching process, after
         fit, is a world of one."""
@@ -240,7 +213,7 @@ class FaultTolerantTrainerRun(TrainerRun):
         self.join(launcher.trainer, strategy.cluster_environment)
         strategy.set_world_ranks()
 
-    def set_world_ranks(self, strategy: "DDPXStrategy", default: Default) -> None:
+    def set_world_ranks(self, strategy: TrainerStrategyView, default: Default) -> None:
         follow_rank(strategy.global_rank)  # the membership's rank (the environment's)
 
     # ------------------------------------------------------------------------------------- the module
@@ -602,19 +575,19 @@ class FaultTolerantFabricRun(FabricRun):
     def cluster_environment(self, given: Optional["ClusterEnvironment"]) -> "ClusterEnvironment":
         return fault_tolerant_environment(given)
 
-    def launcher(self, strategy: "FabricStrategy", start_method: str) -> Any:
+    def launcher(self, strategy: FabricStrategyView, start_method: str) -> Any:
         refuse_several_machines(strategy.num_nodes)
         environment = strategy.cluster_environment
         assert isinstance(environment, FaultTolerantEnvironment)
         environment.num_processes = strategy.num_processes
         return FabricFaultTolerantLauncher(strategy.num_processes, self.options)
 
-    def distributed_sampler_kwargs(self, strategy: "FabricStrategy", default: Default) -> dict[str, Any]:
+    def distributed_sampler_kwargs(self, strategy: FabricStrategyView, default: Default) -> dict[str, Any]:
         """The membership's world size and rank, not the devices'."""
         return {"num_replicas": strategy.world_size, "rank": strategy.global_rank}
 
     def setup_distributed(
-        self, strategy: "FabricStrategy", default: Default, backend: Callable[[], str]
+        self, strategy: FabricStrategyView, default: Default, backend: Callable[[], str]
     ) -> None:
         """Join the run (its group is the membership's); ranks follow it."""
         check_backend(backend())

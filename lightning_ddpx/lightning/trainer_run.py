@@ -11,7 +11,7 @@ does at a seam is written once, in its run.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
 
 import torch
 from lightning.pytorch.trainer.states import RunningStage
@@ -25,11 +25,29 @@ if TYPE_CHECKING:
 
     from lightning_ddpx.lightning._compat import TrainerLauncher
     from lightning_ddpx.lightning.config import DDPXConfig
-    from lightning_ddpx.lightning.strategy import DDPXStrategy
 
-__all__ = ["TrainerRun"]
+__all__ = ["TrainerRun", "TrainerStrategyView"]
 
 Default = Callable[[], Any]
+
+
+class TrainerStrategyView(Protocol):
+    """What a run reads of its strategy (:class:`~lightning_ddpx.lightning.strategy.DDPXStrategy`): a protocol, so that the run's
+    module does not import the strategy's, which imports it."""
+
+    @property
+    def cluster_environment(self) -> Any: ...
+    @property
+    def num_nodes(self) -> int: ...
+    @property
+    def num_processes(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def global_rank(self) -> int: ...
+    @property
+    def launcher(self) -> Any: ...
+    def set_world_ranks(self) -> None: ...
 
 
 class TrainerRun:
@@ -40,7 +58,7 @@ class TrainerRun:
         return given
 
     def launcher(
-        self, strategy: "DDPXStrategy", start_method: str, backend: Callable[[], str]
+        self, strategy: TrainerStrategyView, start_method: str, backend: Callable[[], str]
     ) -> Optional["TrainerLauncher"]:
         """The launcher; ``None`` leaves it to Lightning (``start_method`` other than ``"popen"``)."""
         if start_method != "popen":
@@ -49,17 +67,17 @@ class TrainerRun:
         # Lightning's, naming a lost process before anything is killed (lightning/popen_launcher.py)
         return PopenLauncher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
 
-    def distributed_sampler_kwargs(self, strategy: "DDPXStrategy", default: Default) -> dict[str, Any]:
+    def distributed_sampler_kwargs(self, strategy: TrainerStrategyView, default: Default) -> dict[str, Any]:
         return default()
 
     def setup_distributed(
-        self, strategy: "DDPXStrategy", default: Default, backend: Callable[[], str]
+        self, strategy: TrainerStrategyView, default: Default, backend: Callable[[], str]
     ) -> None:
         """Create the default process group (``default``: the strategy's own creation; ``backend()`` the
         process group backend it uses)."""
         default()
 
-    def set_world_ranks(self, strategy: "DDPXStrategy", default: Default) -> None:
+    def set_world_ranks(self, strategy: TrainerStrategyView, default: Default) -> None:
         default()
 
     def init_sync(self) -> Optional[bool]:
