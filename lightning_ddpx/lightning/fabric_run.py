@@ -24,14 +24,14 @@ if TYPE_CHECKING:
     from lightning_ddpx.lightning._compat import FabricLauncher
     from lightning_ddpx.lightning.config import DDPXConfig
 
-__all__ = ["FabricRun", "FabricStrategyView"]
+__all__ = ["FabricRun", "StrategyView"]
 
 Default = Callable[[], Any]
 
 
-class FabricStrategyView(Protocol):
-    """What a run reads of its strategy (:class:`~lightning_ddpx.lightning.fabric.DDPXStrategy`): a protocol, so that the run's
-    module does not import the strategy's, which imports it."""
+class StrategyView(Protocol):
+    """What a run reads of its strategy (either ``DDPXStrategy``, Fabric's or the Trainer's): a protocol, so
+    that a run's module does not import its strategy's, which imports it."""
 
     @property
     def cluster_environment(self) -> Any: ...
@@ -56,7 +56,7 @@ class FabricRun:
     def cluster_environment(self, given: Optional["ClusterEnvironment"]) -> Optional["ClusterEnvironment"]:
         return given
 
-    def launcher(self, strategy: FabricStrategyView, start_method: str) -> Optional["FabricLauncher"]:
+    def launcher(self, strategy: StrategyView, start_method: str) -> Optional["FabricLauncher"]:
         """The launcher; ``None`` leaves it to Fabric (``start_method`` other than ``"popen"``)."""
         if start_method != "popen":
             return None
@@ -64,12 +64,10 @@ class FabricRun:
         # Fabric's, naming a lost process before anything is killed (lightning/popen_launcher.py)
         return FabricPopenLauncher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
 
-    def distributed_sampler_kwargs(self, strategy: FabricStrategyView, default: Default) -> dict[str, Any]:
+    def distributed_sampler_kwargs(self, strategy: StrategyView, default: Default) -> dict[str, Any]:
         return default()
 
-    def setup_distributed(
-        self, strategy: FabricStrategyView, default: Default, backend: Callable[[], str]
-    ) -> None:
+    def setup_distributed(self, strategy: StrategyView, default: Default, backend: Callable[[], str]) -> None:
         """Create the default process group (``default``: the strategy's own creation)."""
         default()
 

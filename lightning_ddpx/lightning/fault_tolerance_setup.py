@@ -61,7 +61,7 @@ from lightning_ddpx.fault.manager import (
 from lightning_ddpx.fault.membership import FaultToleranceError, Generation
 from lightning_ddpx.fault.options import FaultToleranceOptions
 from lightning_ddpx.lightning import _compat as lightning_compat
-from lightning_ddpx.lightning.fabric_run import FabricRun, FabricStrategyView
+from lightning_ddpx.lightning.fabric_run import FabricRun, StrategyView
 from lightning_ddpx.lightning.fault_tolerance_launch import (
     FabricFaultTolerantLauncher,
     FaultTolerantEnvironment,
@@ -575,20 +575,18 @@ class FaultTolerantFabricRun(FabricRun):
     def cluster_environment(self, given: Optional["ClusterEnvironment"]) -> "ClusterEnvironment":
         return fault_tolerant_environment(given)
 
-    def launcher(self, strategy: FabricStrategyView, start_method: str) -> Any:
+    def launcher(self, strategy: StrategyView, start_method: str) -> Any:
         refuse_several_machines(strategy.num_nodes)
         environment = strategy.cluster_environment
         assert isinstance(environment, FaultTolerantEnvironment)
         environment.num_processes = strategy.num_processes
         return FabricFaultTolerantLauncher(strategy.num_processes, self.options)
 
-    def distributed_sampler_kwargs(self, strategy: FabricStrategyView, default: Default) -> dict[str, Any]:
+    def distributed_sampler_kwargs(self, strategy: StrategyView, default: Default) -> dict[str, Any]:
         """The membership's world size and rank, not the devices'."""
         return {"num_replicas": strategy.world_size, "rank": strategy.global_rank}
 
-    def setup_distributed(
-        self, strategy: FabricStrategyView, default: Default, backend: Callable[[], str]
-    ) -> None:
+    def setup_distributed(self, strategy: StrategyView, default: Default, backend: Callable[[], str]) -> None:
         """Join the run (its group is the membership's); ranks follow it."""
         check_backend(backend())
         fault = join_run(self.options)

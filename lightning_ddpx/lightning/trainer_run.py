@@ -18,6 +18,7 @@ from lightning.pytorch.trainer.states import RunningStage
 
 from lightning_ddpx.engine.module.data_parallel import DistributedDataParallel
 from lightning_ddpx.lightning import post_local_sgd_setup
+from lightning_ddpx.lightning.fabric_run import StrategyView
 from lightning_ddpx.lightning.popen_launcher import PopenLauncher
 
 if TYPE_CHECKING:
@@ -31,20 +32,10 @@ __all__ = ["TrainerRun", "TrainerStrategyView"]
 Default = Callable[[], Any]
 
 
-class TrainerStrategyView(Protocol):
-    """What a run reads of its strategy (:class:`~lightning_ddpx.lightning.strategy.DDPXStrategy`): a protocol, so that the run's
-    module does not import the strategy's, which imports it."""
+class TrainerStrategyView(StrategyView, Protocol):
+    """What the Trainer's runs read of :class:`~lightning_ddpx.lightning.strategy.DDPXStrategy` beyond
+    :class:`~lightning_ddpx.lightning.fabric_run.StrategyView`."""
 
-    @property
-    def cluster_environment(self) -> Any: ...
-    @property
-    def num_nodes(self) -> int: ...
-    @property
-    def num_processes(self) -> int: ...
-    @property
-    def world_size(self) -> int: ...
-    @property
-    def global_rank(self) -> int: ...
     @property
     def launcher(self) -> Any: ...
     def set_world_ranks(self) -> None: ...
