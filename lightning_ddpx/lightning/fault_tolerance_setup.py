@@ -58,7 +58,7 @@ from lightning_ddpx.engine.module.data_parallel import DistributedDataParallel
 from lightning_ddpx.fault.manager import (
     FaultTolerance,
 )
-from lightning_ddpx.fault.membership import FaultToleranceError, Generation
+from lightning_ddpx.fault.membership import FaultToleranceError
 from lightning_ddpx.fault.options import FaultToleranceOptions
 from lightning_ddpx.lightning import _compat as lightning_compat
 from lightning_ddpx.lightning.fabric_run import FabricRun, StrategyView
@@ -253,18 +253,11 @@ class FaultTolerantTrainerRun(TrainerRun):
         """Join the run (a training process): wait to be admitted, build the first group, take the
         newcomer's checkpoint if this is one, and pin the loggers' versions to the run's."""
         self.trainer = trainer
-        fault = join_run(self.options)
-        self.fault = environment.fault = fault
-        fault.generation_listeners.append(self._follow_ranks)
-        self._follow_ranks(fault.generation)
+        fault = self.fault = join_following_ranks(self.options, environment)
         fault.use_state(self._dump, self._load)
         fault.receive_state()
         self._pin_logger_versions(fault)
         return fault
-
-    def _follow_ranks(self, generation: Generation) -> None:
-        assert self.fault is not None
-        follow_rank(generation.rank_of(self.fault.uid))
 
     def _pin_logger_versions(self, fault: FaultTolerance) -> None:
         """Every process logs into the first rank 0's logger versions: after it is lost, the new rank 0
@@ -589,12 +582,7 @@ class FaultTolerantFabricRun(FabricRun):
     def setup_distributed(self, strategy: StrategyView, default: Default, backend: Callable[[], str]) -> None:
         """Join the run (its group is the membership's); ranks follow it."""
         check_backend(backend())
-        fault = join_run(self.options)
-        environment = strategy.cluster_environment
-        assert isinstance(environment, FaultTolerantEnvironment)
-        self._fault = environment.fault = fault
-        fault.generation_listeners.append(lambda generation: follow_rank(generation.rank_of(fault.uid)))
-        follow_rank(fault.rank)
+        self._fault = join_following_ranks(self.options, strategy.cluster_environment)
 
     def wrap(
         self, module: nn.Module, config: "DDPXConfig", device_ids: Optional[list[int]]
@@ -656,6 +644,16 @@ class FaultTolerantFabricRun(FabricRun):
         self._metrics.release()
         if self._fault is not None:
             self._fault.close()
+
+
+def join_following_ranks(options: FaultToleranceOptions, environment: Any) -> FaultTolerance:
+    """Join the run (both strategies): wait to be admitted and build the first group; from then on the
+    strategy's environment and Lightning's ``rank_zero_only`` follow the membership's rank of this process."""
+    assert isinstance(environment, FaultTolerantEnvironment)
+    fault = environment.fault = join_run(options)
+    fault.generation_listeners.append(lambda generation: follow_rank(generation.rank_of(fault.uid)))
+    follow_rank(fault.rank)
+    return fault
 
 
 def follow_rank(rank: int) -> None:
