@@ -58,7 +58,7 @@ class RunConfig:
 
 def run_rank(rank: int, world_size: int, config: RunConfig) -> dict[str, Any]:
     from lightning_ddpx import DistributedDataParallel
-    from lightning_ddpx.lightning.uneven import LockstepLoader, StepQueue
+    from lightning_ddpx.lightning.features.uneven import LockstepLoader, StepQueue
 
     torch.set_flush_denormal(True)
     batch = make_batch(config.model, rank, config.seed)

@@ -4,7 +4,7 @@
         --nproc-per-node 2 --max-restarts 1 examples/torchrun_resume.py --workdir /tmp/ddpx_restart
 
 torchrun's agent keeps one TCP store for every attempt, and a killed attempt's keys stay in it; the strategy
-creates each attempt's process group on that attempt's own keys (``lightning_ddpx/lightning/restart_rendezvous.py``),
+creates each attempt's process group on that attempt's own keys (``lightning_ddpx/lightning/processes/restart_rendezvous.py``),
 so a restart connects without ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (pytorch/pytorch#135712;
 docs/checkpointing.md).
 
@@ -41,7 +41,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ddpx import DDPXStrategy
-from lightning_ddpx.lightning.checkpoint_io import AtomicCheckpointIO
+from lightning_ddpx.lightning.checkpoints.checkpoint_io import AtomicCheckpointIO
 
 SEED = 7
 

@@ -27,9 +27,9 @@ from lightning_ddpx.engine.reducer.comm_stats import CommStatsSummary, StepCommS
 from lightning_ddpx.engine.reducer.late_gradients import LocalGradientWarning
 
 if TYPE_CHECKING:
-    from lightning_ddpx.lightning.checkpoint_io import AtomicCheckpointIO
-    from lightning_ddpx.lightning.strategy import DDPXStrategy
-    from lightning_ddpx.lightning.uneven import UnevenInputsError
+    from lightning_ddpx.lightning.checkpoints.checkpoint_io import AtomicCheckpointIO
+    from lightning_ddpx.lightning.features.uneven import UnevenInputsError
+    from lightning_ddpx.lightning.strategies.trainer import DDPXStrategy
 
 __all__ = [
     "AtomicCheckpointIO",
@@ -54,9 +54,9 @@ __version__ = "0.1.0"
 
 # Public names whose modules import Lightning: loaded by __getattr__ on first use.
 _LAZY_NAMES = {
-    "AtomicCheckpointIO": "lightning_ddpx.lightning.checkpoint_io",
-    "DDPXStrategy": "lightning_ddpx.lightning.strategy",
-    "UnevenInputsError": "lightning_ddpx.lightning.uneven",
+    "AtomicCheckpointIO": "lightning_ddpx.lightning.checkpoints.checkpoint_io",
+    "DDPXStrategy": "lightning_ddpx.lightning.strategies.trainer",
+    "UnevenInputsError": "lightning_ddpx.lightning.features.uneven",
 }
 _SUBPACKAGES = ("bench", "engine", "fabric", "hooks", "lightning")
 
@@ -102,6 +102,33 @@ _ENGINE_ROOMS = {
     "usage_log": "reducer.usage_log",
     "used_parameters": "reducer.used_parameters",
 }
+# The Lightning layer's modules from before its rooms -> <room>.<module>.
+_LIGHTNING_ROOMS = {
+    "checkpoint_io": "checkpoints.checkpoint_io",
+    "checkpoint_state": "checkpoints.checkpoint_state",
+    "compile": "features.compile",
+    "config": "settings.config",
+    "ddp_kwargs": "settings.ddp_kwargs",
+    "diloco_setup": "features.diloco_setup",
+    "fabric": "strategies.fabric",
+    "fabric_run": "runs.fabric_run",
+    "fault_tolerance_launch": "fault_tolerance.launch",
+    "fault_tolerance_metrics": "fault_tolerance.metrics",
+    "fault_tolerance_options": "settings.fault_tolerance_options",
+    "fault_tolerance_setup": "fault_tolerance.runs",
+    "fault_tolerance_state": "fault_tolerance.state",
+    "local_replicas": "checkpoints.local_replicas",
+    "optimizer_overlap_setup": "features.optimizer_overlap_setup",
+    "options": "settings.options",
+    "popen_launcher": "processes.popen_launcher",
+    "post_local_sgd_setup": "features.post_local_sgd_setup",
+    "process_exit": "processes.process_exit",
+    "replica_verification": "features.replica_verification",
+    "restart_rendezvous": "processes.restart_rendezvous",
+    "strategy": "strategies.trainer",
+    "trainer_run": "runs.trainer_run",
+    "uneven": "features.uneven",
+}
 _MOVED_MODULES = {
     **{
         f"lightning_ddpx.{name}": f"lightning_ddpx.engine.{_ENGINE_ROOMS.get(name, name)}"
@@ -130,7 +157,7 @@ _MOVED_MODULES = {
         if name not in ("buckets", "module", "reducer", "transport")
     },
     **{
-        f"lightning_ddpx.{name}": f"lightning_ddpx.lightning.{name}"
+        f"lightning_ddpx.{name}": f"lightning_ddpx.lightning.{_LIGHTNING_ROOMS[name]}"
         for name in (
             "checkpoint_io",
             "checkpoint_state",
@@ -143,6 +170,11 @@ _MOVED_MODULES = {
             "strategy",
             "uneven",
         )
+    },
+    # the Lightning layer's modules from before its rooms (its flat lightning/ folder)
+    **{
+        f"lightning_ddpx.lightning.{name}": f"lightning_ddpx.lightning.{room}"
+        for name, room in _LIGHTNING_ROOMS.items()
     },
     "lightning_ddpx.distributed": "lightning_ddpx.engine.module.data_parallel",
     "lightning_ddpx.model_averaging": "lightning_ddpx.hooks.model_averaging",
@@ -172,8 +204,8 @@ def __dir__() -> list[str]:
 
 def _register_strategy_names() -> None:
     """Importing the two strategy modules registers "ddpx", "ddpx_powersgd", ... with the Trainer and Fabric."""
-    importlib.import_module("lightning_ddpx.lightning.strategy")
-    importlib.import_module("lightning_ddpx.lightning.fabric")
+    importlib.import_module("lightning_ddpx.lightning.strategies.trainer")
+    importlib.import_module("lightning_ddpx.lightning.strategies.fabric")
 
 
 _import_hooks.alias_moved_modules(_MOVED_MODULES)

@@ -15,7 +15,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from lightning_ddpx.lightning.options import options_table  # noqa: E402
+from lightning_ddpx.lightning.settings.options import options_table  # noqa: E402
 
 DOCS_TABLES = {"Trainer": "docs/strategy.md", "Fabric": "docs/fabric.md"}
 BEGIN = "<!-- options table: made by `python scripts/options_tables.py` -->"

@@ -110,7 +110,7 @@ def save_parameters(module: nn.Module, root: str, mode: str, rank: int) -> None:
 def run_fabric(hook: str, root: str) -> None:
     from lightning.fabric import Fabric
 
-    from lightning_ddpx.lightning.fabric import DDPXStrategy as FabricDDPX
+    from lightning_ddpx.lightning.strategies.fabric import DDPXStrategy as FabricDDPX
 
     options: dict[str, Any] = {"bucket_cap_mb": 0.004, "first_bucket_cap_mb": 0.001, "comm_hook": hook}
     if hook in ("powersgd", "batched_powersgd"):

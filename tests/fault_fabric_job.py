@@ -21,7 +21,7 @@ import torch
 from lightning.fabric import Fabric
 from torch import nn
 
-from lightning_ddpx.lightning.fabric import DDPXStrategy
+from lightning_ddpx.lightning.strategies.fabric import DDPXStrategy
 from tests.fault_job import batch, digest
 
 

@@ -45,7 +45,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_ddpx import DDPXStrategy
 from lightning_ddpx.lightning import _compat as lightning_compat
-from lightning_ddpx.lightning.fault_tolerance_state import state_digests
+from lightning_ddpx.lightning.fault_tolerance.state import state_digests
 
 TRAIN_SAMPLES, VAL_SAMPLES, BATCH, FEATURES, CLASSES = (
     384,

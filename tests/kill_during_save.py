@@ -39,7 +39,7 @@ def main(mode: str, target: str) -> None:
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
     from lightning_ddpx.engine import atomic_file
-    from lightning_ddpx.lightning.checkpoint_io import AtomicCheckpointIO
+    from lightning_ddpx.lightning.checkpoints.checkpoint_io import AtomicCheckpointIO
 
     if mode == "mid-write":
 

@@ -1,5 +1,5 @@
 """One worker of a torchrun round, for tests/test_restart_recipe.py: the default group created by
-``lightning_ddpx.lightning.restart_rendezvous.create_default_group`` on the store the test hosts (as torchrun's
+``lightning_ddpx.lightning.processes.restart_rendezvous.create_default_group`` on the store the test hosts (as torchrun's
 agent does), then one all-reduce. ``python -m tests.restart_round_job die``: SIGKILL after the all-reduce, as a
 killed round's worker that leaves its keys behind. Prints ``sum <value>`` (RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT, TORCHELASTIC_RESTART_COUNT and TORCHELASTIC_USE_AGENT_STORE set by the test)."""
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
 
-from lightning_ddpx.lightning.restart_rendezvous import create_default_group
+from lightning_ddpx.lightning.processes.restart_rendezvous import create_default_group
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -120,56 +121,72 @@ def test_layers_import_only_the_layers_below() -> None:
     assert not broken, "\n".join(broken)
 
 
-# ----------------------------------------------------------------------------- rooms inside the engine
-def _engine_order() -> dict[str, int]:
-    """Room (or leaf module) -> its rank, from the numbered list of lightning_ddpx/engine/__init__.py."""
-    docstring = ast.get_docstring(_tree(ENGINE / "__init__.py")) or ""
+# ---------------------------------------------------------------------- rooms inside a layer's package
+# The packages divided into rooms; each lists its rooms, numbered in their order, in its __init__ docstring.
+ROOMED = ("engine", "lightning")
+
+
+def _room_order(package: str) -> dict[str, int]:
+    """Room (or leaf module) -> its rank, from the numbered list of lightning_ddpx/<package>/__init__.py."""
+    docstring = ast.get_docstring(_tree(PACKAGE / package / "__init__.py")) or ""
     items = re.findall(r"^(\d+)\. (.*?)(?=^\d+\. |\n\n|\Z)", docstring, re.M | re.S)
     return {name: int(rank) for rank, text in items for name in re.findall(r":mod:`\.(\w+)`", text)}
 
 
-def _room(module: str) -> str | None:
-    """``lightning_ddpx.engine.<room>[.<module>]`` -> the room (a leaf module is a room of its own rank)."""
+def _engine_order() -> dict[str, int]:
+    return _room_order("engine")
+
+
+def _room(module: str, package: str = "engine") -> str | None:
+    """``lightning_ddpx.<package>.<room>[.<module>]`` -> the room (a leaf module is a room of its own rank)."""
     parts = module.split(".")
-    return parts[2] if parts[:2] == ["lightning_ddpx", "engine"] and len(parts) > 2 else None
+    return parts[2] if parts[:2] == ["lightning_ddpx", package] and len(parts) > 2 else None
 
 
-def _engine_imports() -> list[tuple[str, Path, ast.stmt, str]]:
-    """(importer, its file, the import, the engine module imported) for every engine-to-engine import."""
+def _room_imports(package: str) -> list[tuple[str, Path, ast.stmt, str]]:
+    """(importer, its file, the import, the module imported) for every import between two modules of the
+    package's rooms: module level, under ``if TYPE_CHECKING:`` and inside functions alike."""
     found = []
     for module, path in _sources().items():
-        if _room(module) is None:
+        if _room(module, package) is None:
             continue
         for node, name in _imports(path):
             target = _ours(name)
-            if target is not None and _room(target) is not None and target != module:
+            if target is not None and _room(target, package) is not None and target != module:
                 found.append((module, path, node, target))
     return found
 
 
-def test_the_engine_order_places_every_room() -> None:
-    order = _engine_order()
-    assert {"agreement", "reducer", "module", "compile"} <= set(order), "the numbered list was not found"
-    rooms = {p.stem for p in ENGINE.glob("*.py") if p.stem != "__init__"}
-    rooms |= {p.name for p in ENGINE.iterdir() if (p / "__init__.py").exists()}
+def _engine_imports() -> list[tuple[str, Path, ast.stmt, str]]:
+    return _room_imports("engine")
+
+
+@pytest.mark.parametrize("package", ROOMED)
+def test_the_order_places_every_room(package: str) -> None:
+    order = _room_order(package)
+    assert len(order) >= 3, f"the numbered list of lightning_ddpx/{package}/__init__.py was not found"
+    folder = PACKAGE / package
+    rooms = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+    rooms |= {p.name for p in folder.iterdir() if (p / "__init__.py").exists()}
     assert set(order) == rooms, (
-        "lightning_ddpx/engine/__init__.py lists the rooms in their layer order; place these: "
+        f"lightning_ddpx/{package}/__init__.py lists the rooms in their layer order; place these: "
         f"{sorted(rooms - set(order))}; remove these: {sorted(set(order) - rooms)}"
     )
 
 
-def test_engine_rooms_import_only_the_rooms_before_them() -> None:
-    """A room builds on the rooms listed before it in lightning_ddpx/engine/__init__.py; inside a room,
-    modules import each other freely. What a lower room needs from a higher one is passed in (a callback,
-    an object), never imported."""
-    order = _engine_order()
+@pytest.mark.parametrize("package", ROOMED)
+def test_rooms_import_only_the_rooms_before_them(package: str) -> None:
+    """A room builds on the rooms listed before it in its package's __init__.py; inside a room, modules
+    import each other freely. What a lower room needs from a higher one is passed in (a callback, an object,
+    a protocol it declares), never imported."""
+    order = _room_order(package)
     broken = [
-        f"{_where(path, node)}: {module} ({_room(module)}, {order[_room(module)]}.) imports {target} "
-        f"({_room(target)}, {order[_room(target)]}.)"
-        for module, path, node, target in _engine_imports()
-        if order[_room(target)] > order[_room(module)]  # type: ignore[index]
+        f"{_where(path, node)}: {module} ({_room(module, package)}, {order[_room(module, package)]}.) "  # type: ignore[index]
+        f"imports {target} ({_room(target, package)}, {order[_room(target, package)]}.)"  # type: ignore[index]
+        for module, path, node, target in _room_imports(package)
+        if order[_room(target, package)] > order[_room(module, package)]  # type: ignore[index]
     ]
-    assert not broken, "imports against the engine's layer order:\n" + "\n".join(broken)
+    assert not broken, f"imports against the order of lightning_ddpx/{package}/:\n" + "\n".join(broken)
 
 
 def _circles(graph: dict[str, set[str]]) -> list[str]:
@@ -192,12 +209,17 @@ def _circles(graph: dict[str, set[str]]) -> list[str]:
     return circles
 
 
-def test_no_import_circle_in_the_engine() -> None:
+@pytest.mark.parametrize("package", ROOMED)
+def test_no_import_circle_in_a_roomed_package_type_only_imports_included(package: str) -> None:
+    """No two modules of the package import each other, directly or around a circle, counting every import:
+    a strategy and the run it delegates to, the options check and the config, import each other one way."""
     graph: dict[str, set[str]] = {}
-    for module, _, _, target in _engine_imports():
+    for module, _, _, target in _room_imports(package):
         graph.setdefault(module, set()).add(target)
     circles = _circles(graph)
-    assert not circles, "engine modules importing each other in a circle:\n" + "\n".join(circles)
+    assert not circles, f"lightning_ddpx/{package}/ modules importing each other in a circle:\n" + "\n".join(
+        circles
+    )
 
 
 def test_the_circle_search_finds_circles() -> None:
@@ -405,7 +427,7 @@ def test_the_private_read_scan_sees_each_form() -> None:
 import torch
 import torch.distributed as dist
 from lightning_ddpx.engine.reducer import reducer as reducer_module
-from lightning_ddpx.lightning.config import _resolve_comm_hook
+from lightning_ddpx.lightning.settings.config import _resolve_comm_hook
 
 class Mine:
     __slots__ = ("_slot",)
@@ -425,7 +447,7 @@ def f(x, optimizer, reducer):
         ("dist._rank_not_in_group", "dependency"),
         ("getattr(optimizer, '_optimizer', None)", "dependency"),
         ("lightning_ddpx.engine.reducer.reducer._nothing", "ours"),
-        ("lightning_ddpx.lightning.config._resolve_comm_hook", "ours"),
+        ("lightning_ddpx.lightning.settings.config._resolve_comm_hook", "ours"),
         ("reducer._pending", "ours"),
         ("torch._C", "dependency"),
         ("torch._C._foo", "dependency"),
@@ -439,7 +461,7 @@ def test_the_lightning_layer_uses_the_module_not_its_reducer() -> None:
     Attribute access only: ``module.reducer``, ``getattr(module, "reducer")``; importing
     ``lightning_ddpx.engine.reducer.comm_stats`` (a module path) is an import like any other."""
     offenders = []
-    for path in sorted((PACKAGE / "lightning").glob("*.py")):
+    for path in sorted((PACKAGE / "lightning").rglob("*.py")):
         for node in ast.walk(_tree(path)):
             if isinstance(node, ast.Attribute) and node.attr == "reducer":
                 root = node.value
@@ -607,12 +629,12 @@ def test_the_benchmark_recipe_names_exist() -> None:
 
 # ------------------------------------------------------------------------ the strategies' run modes
 def test_no_strategy_method_asks_whether_fault_tolerance_is_on() -> None:
-    """Each strategy picks its run once (lightning/trainer_run.py, lightning/fabric_run.py) and its methods
+    """Each strategy picks its run once (lightning/runs/trainer_run.py, lightning/runs/fabric_run.py) and its methods
     delegate: no ``if`` (or conditional expression) inside the strategy classes tests anything named after
     fault tolerance (``fault_tolerance``, ``self._run.fault``, ``fault_manager``)."""
     offenders = []
-    for name in ("strategy.py", "fabric.py"):
-        path = PACKAGE / "lightning" / name
+    for name in ("trainer.py", "fabric.py"):
+        path = PACKAGE / "lightning" / "strategies" / name
         for node in ast.walk(_tree(path)):
             if not isinstance(node, ast.ClassDef) or node.name != "DDPXStrategy":
                 continue
@@ -620,34 +642,9 @@ def test_no_strategy_method_asks_whether_fault_tolerance_is_on() -> None:
                 words = {n.attr for n in ast.walk(test) if isinstance(n, ast.Attribute)}
                 words |= {n.id for n in ast.walk(test) if isinstance(n, ast.Name)}
                 if any("fault" in word for word in words):
-                    offenders.append(f"lightning_ddpx/lightning/{name}:{test.lineno}: {ast.unparse(test)}")
+                    offenders.append(
+                        f"lightning_ddpx/lightning/strategies/{name}:{test.lineno}: {ast.unparse(test)}"
+                    )
     assert not offenders, (
         "branch on fault tolerance in a strategy method (move it to the run):\n" + "\n".join(offenders)
     )
-
-
-def _lightning_layer_imports() -> dict[str, set[str]]:
-    """Module of lightning_ddpx/lightning -> the modules of that layer it imports, type-only imports (under
-    ``if TYPE_CHECKING:``) and ``from lightning_ddpx.lightning import a, b`` included."""
-    layer = "lightning_ddpx.lightning"
-    graph: dict[str, set[str]] = {}
-    for path in sorted((PACKAGE / "lightning").glob("*.py")):
-        importer = _module_name(path)
-        found = graph.setdefault(importer, set())
-        for node in ast.walk(_tree(path)):
-            if isinstance(node, ast.Import):
-                found |= {a.name for a in node.names if a.name.startswith(layer + ".")}
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                if node.module == layer:
-                    found |= {f"{layer}.{a.name}" for a in node.names}
-                elif node.module.startswith(layer + "."):
-                    found.add(node.module)
-        found.discard(importer)
-    return graph
-
-
-def test_no_import_circle_in_the_lightning_layer_type_only_imports_included() -> None:
-    """A strategy and the runs it delegates to (and the options check and the config) import each other
-    only one way: a run reads its strategy through a protocol (``TrainerStrategyView``)."""
-    circles = _circles(_lightning_layer_imports())
-    assert not circles, "lightning/ modules importing each other in a circle:\n" + "\n".join(circles)

@@ -29,7 +29,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_ddpx import collectives_issued_on_call
-from lightning_ddpx.lightning.checkpoint_io import (
+from lightning_ddpx.lightning.checkpoints.checkpoint_io import (
     TEMP_PREFIX,
     TEMP_SUFFIX,
     AtomicCheckpointIO,

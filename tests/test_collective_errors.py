@@ -20,10 +20,10 @@ from torch import nn
 
 import lightning_ddpx
 import lightning_ddpx.hooks.model_averaging
-import lightning_ddpx.lightning.local_replicas
+import lightning_ddpx.lightning.checkpoints.local_replicas
 from lightning_ddpx.engine.agreement.errors import CommunicationError
 from lightning_ddpx.engine.transport.transports import MeanAllReduce
-from lightning_ddpx.lightning.config import DDPXConfig
+from lightning_ddpx.lightning.settings.config import DDPXConfig
 from tests.dist_utils import run_distributed
 from tests.test_engine_oracle import SMALL_BUCKETS, conv_bn, conv_loss
 
@@ -89,7 +89,9 @@ SITES: dict[str, tuple[Any, Any, str]] = {
     ),
     "local replicas": (
         lambda rank: None,
-        lambda _: lightning_ddpx.lightning.local_replicas.gather_replicas({"weights": torch.ones(2)}),
+        lambda _: lightning_ddpx.lightning.checkpoints.local_replicas.gather_replicas(
+            {"weights": torch.ones(2)}
+        ),
         "own weights and optimizer state",
     ),
 }

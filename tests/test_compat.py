@@ -72,7 +72,7 @@ def test_c10d_names_work(tmp_path: Path) -> None:
 def test_lightning_names_work() -> None:
     from lightning.pytorch import LightningModule
 
-    from lightning_ddpx.lightning.strategy import DDPXStrategy
+    from lightning_ddpx.lightning.strategies.trainer import DDPXStrategy
 
     module = LightningModule()
     assert lightning_compat.trainer_of(module) is None

@@ -96,7 +96,7 @@ def fabric_with_lightning_arguments(rank: int, out: dict) -> None:
     from lightning.fabric import Fabric
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    from lightning_ddpx.lightning.fabric import DDPXStrategy as FabricDDPXStrategy
+    from lightning_ddpx.lightning.strategies.fabric import DDPXStrategy as FabricDDPXStrategy
 
     strategy = FabricDDPXStrategy(ddp_comm_hook=default_hooks.fp16_compress_hook, static_graph=True)
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)

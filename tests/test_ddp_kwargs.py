@@ -20,8 +20,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from lightning_ddpx import DDPXStrategy
 from lightning_ddpx.hooks import fp16_compress_wrapper
-from lightning_ddpx.lightning.ddp_kwargs import HONOURED, REFUSED, wrapper_name
-from lightning_ddpx.lightning.fabric import DDPXStrategy as FabricDDPXStrategy
+from lightning_ddpx.lightning.settings.ddp_kwargs import HONOURED, REFUSED, wrapper_name
+from lightning_ddpx.lightning.strategies.fabric import DDPXStrategy as FabricDDPXStrategy
 
 STRATEGIES = [DDPXStrategy, FabricDDPXStrategy]
 TORCH_DDP_ARGUMENTS = [

@@ -157,7 +157,7 @@ def reference_run(options: dict, world_size: int, steps: int) -> dict:
 
 # ----------------------------------------------------------------------------------------------- ours
 def our_run(rank: int, world_size: int, options: dict, steps: int) -> dict:
-    from lightning_ddpx.lightning.config import DDPXConfig
+    from lightning_ddpx.lightning.settings.config import DDPXConfig
 
     config = DDPXConfig(comm_hook="diloco", diloco=options)
     module = config.wrap(make_model())

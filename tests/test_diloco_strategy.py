@@ -77,7 +77,7 @@ def by_hand(rank: int, world_size: int, options: dict, epochs: int, accumulate: 
     draws it (shuffled with seed 0, a new order each epoch)."""
     from lightning.pytorch import seed_everything
 
-    from lightning_ddpx.lightning.config import DDPXConfig
+    from lightning_ddpx.lightning.settings.config import DDPXConfig
 
     seed_everything(0, verbose=False)
     model = AdamRegressor()
@@ -251,7 +251,7 @@ def test_uneven_inputs_keep_the_schedule_in_lockstep(trainer_results):
 def fabric_run(data, path: str | None = None, save_at: int | None = None):
     from lightning.fabric import Fabric, seed_everything
 
-    from lightning_ddpx.lightning.fabric import DDPXStrategy
+    from lightning_ddpx.lightning.strategies.fabric import DDPXStrategy
 
     fabric = Fabric(
         accelerator="cpu",

@@ -22,7 +22,7 @@ from lightning_ddpx.hooks.outer_exchange import (
     quantize,
     start_exchange,
 )
-from lightning_ddpx.lightning.config import DDPXConfig
+from lightning_ddpx.lightning.settings.config import DDPXConfig
 from tests.cuda_division import CudaDivisionRule, correctly_rounded_quotient
 from tests.dist_utils import one_rank_group, run_distributed
 
@@ -232,7 +232,7 @@ def test_bench_table_reports_bytes_saved_and_recommends_against_torch_ddp_alone(
 
 def test_outer_sync_metrics_give_each_exchange_and_the_running_total() -> None:
     from lightning_ddpx.hooks.diloco import OuterSync
-    from lightning_ddpx.lightning.diloco_setup import outer_sync_metrics
+    from lightning_ddpx.lightning.features.diloco_setup import outer_sync_metrics
 
     state = DiLoCoState()
     state.bytes_sent = 300

@@ -36,7 +36,7 @@ from lightning_ddpx.hooks import (
     build_comm_hook,
     powersgd_hook,
 )
-from lightning_ddpx.lightning.config import DDPXConfig
+from lightning_ddpx.lightning.settings.config import DDPXConfig
 from tests.dist_utils import one_rank_group, run_distributed
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

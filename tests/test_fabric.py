@@ -1,4 +1,4 @@
-"""The Fabric strategy (lightning_ddpx.lightning.fabric.DDPXStrategy): accumulation, exact resume, same options as the
+"""The Fabric strategy (lightning_ddpx.lightning.strategies.fabric.DDPXStrategy): accumulation, exact resume, same options as the
 Trainer strategy.
 
 Every Fabric loop of this module runs in ONE 2-process gloo job (module fixture), to pay for process start-up
@@ -24,7 +24,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 
 import lightning_ddpx
-from lightning_ddpx.lightning.fabric import DDPXStrategy, take_comm_stats
+from lightning_ddpx.lightning.strategies.fabric import DDPXStrategy, take_comm_stats
 from tests.dist_utils import run_distributed
 from tests.strategy_helpers import counting_allreduce_hook, quiet
 

@@ -301,7 +301,7 @@ def test_the_option_is_in_both_strategies_signatures_and_takes_a_bool_or_a_dict(
 
     from lightning_ddpx import DDPXStrategy
     from lightning_ddpx.fault import FaultToleranceOptions
-    from lightning_ddpx.lightning.fabric import DDPXStrategy as DDPXFabricStrategy
+    from lightning_ddpx.lightning.strategies.fabric import DDPXStrategy as DDPXFabricStrategy
 
     for cls in (DDPXStrategy, DDPXFabricStrategy):
         assert inspect.signature(cls.__init__).parameters["fault_tolerance"].default is None  # off
@@ -335,7 +335,7 @@ def test_a_cluster_environment_of_its_own_is_refused_by_both_strategies():
     from lightning.fabric.plugins.environments import LightningEnvironment
 
     from lightning_ddpx import DDPXStrategy
-    from lightning_ddpx.lightning.fabric import DDPXStrategy as DDPXFabricStrategy
+    from lightning_ddpx.lightning.strategies.fabric import DDPXStrategy as DDPXFabricStrategy
 
     for cls in (DDPXStrategy, DDPXFabricStrategy):
         with pytest.raises(ValueError, match="cluster_environment=LightningEnvironment"):
@@ -347,7 +347,7 @@ def test_an_unsupported_hook_gets_one_message_from_both_strategies_and_the_bare_
     a hook fault tolerance cannot follow with the same words: the hook's name and the supported ones."""
     from lightning_ddpx import DDPXStrategy
     from lightning_ddpx.fault.manager import SUPPORTED_HOOKS, refuse_unsupported_hook
-    from lightning_ddpx.lightning.fabric import DDPXStrategy as DDPXFabricStrategy
+    from lightning_ddpx.lightning.strategies.fabric import DDPXStrategy as DDPXFabricStrategy
 
     def my_hook(state, bucket):  # a user's hook: state the fault tolerance cannot hand on
         raise AssertionError("never called")
@@ -517,7 +517,7 @@ def test_the_metric_sync_guard_routes_each_metrics_sync_between_steps_and_gives_
     import torchmetrics
     from torch import nn
 
-    from lightning_ddpx.lightning.fault_tolerance_metrics import MetricSyncGuard
+    from lightning_ddpx.lightning.fault_tolerance.metrics import MetricSyncGuard
 
     routed = []
 

@@ -1,4 +1,4 @@
-"""The whole-state digests a fault-tolerant heal compares (lightning_ddpx/lightning/fault_tolerance_state.py):
+"""The whole-state digests a fault-tolerant heal compares (lightning_ddpx/lightning/fault_tolerance/state.py):
 each piece that decides later updates changes its digest; what is per process by design does not."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import copy
 
 import torch
 
-from lightning_ddpx.lightning.fault_tolerance_state import digest, state_digests
+from lightning_ddpx.lightning.fault_tolerance.state import digest, state_digests
 
 
 def checkpoint() -> dict:
@@ -85,7 +85,7 @@ def test_a_loggers_failure_in_a_training_process_is_reported_once_and_training_g
     works is untouched in what it records."""
     from types import SimpleNamespace
 
-    from lightning_ddpx.lightning.fault_tolerance_launch import contain_logger_failures
+    from lightning_ddpx.lightning.fault_tolerance.launch import contain_logger_failures
 
     class Broken:
         def __init__(self) -> None:

@@ -54,9 +54,9 @@ def test_trainer_resolves_the_name_when_lightning_is_imported_after_us() -> None
 
 
 def test_lazy_names_are_the_objects_at_their_homes() -> None:
-    from lightning_ddpx.lightning.checkpoint_io import AtomicCheckpointIO
-    from lightning_ddpx.lightning.strategy import DDPXStrategy
-    from lightning_ddpx.lightning.uneven import UnevenInputsError
+    from lightning_ddpx.lightning.checkpoints.checkpoint_io import AtomicCheckpointIO
+    from lightning_ddpx.lightning.features.uneven import UnevenInputsError
+    from lightning_ddpx.lightning.strategies.trainer import DDPXStrategy
 
     assert lightning_ddpx.DDPXStrategy is DDPXStrategy
     assert lightning_ddpx.AtomicCheckpointIO is AtomicCheckpointIO

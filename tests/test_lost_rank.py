@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from lightning_ddpx.lightning.config import FABRIC_STRATEGY_NAMES, TRAINER_STRATEGY_NAMES
-from lightning_ddpx.lightning.popen_launcher import LOSS_GRACE_S, describe_end
+from lightning_ddpx.lightning.processes.popen_launcher import LOSS_GRACE_S, describe_end
+from lightning_ddpx.lightning.settings.config import FABRIC_STRATEGY_NAMES, TRAINER_STRATEGY_NAMES
 from tests.dist_utils import REPO_ROOT, free_port, job_env
 from tests.lost_rank_job import PHASES
 
@@ -55,7 +55,7 @@ def test_an_end_is_described_by_exit_code_or_signal_name() -> None:
 def test_every_trainer_popen_name_uses_our_launcher(name: str) -> None:
     from lightning.pytorch import Trainer
 
-    from lightning_ddpx.lightning.popen_launcher import PopenLauncher
+    from lightning_ddpx.lightning.processes.popen_launcher import PopenLauncher
 
     trainer = Trainer(accelerator="cpu", devices=2, strategy=name, logger=False)
     assert type(trainer.strategy.launcher) is PopenLauncher, name
@@ -65,7 +65,7 @@ def test_every_trainer_popen_name_uses_our_launcher(name: str) -> None:
 def test_every_fabric_popen_name_uses_our_launcher(name: str) -> None:
     from lightning.fabric import Fabric
 
-    from lightning_ddpx.lightning.popen_launcher import FabricPopenLauncher
+    from lightning_ddpx.lightning.processes.popen_launcher import FabricPopenLauncher
 
     fabric = Fabric(accelerator="cpu", devices=2, strategy=name)
     assert type(fabric.strategy.launcher) is FabricPopenLauncher, name
@@ -74,7 +74,7 @@ def test_every_fabric_popen_name_uses_our_launcher(name: str) -> None:
 def test_spawn_keeps_lightnings_launcher() -> None:
     from lightning.pytorch import Trainer
 
-    from lightning_ddpx.lightning.popen_launcher import PopenLauncher
+    from lightning_ddpx.lightning.processes.popen_launcher import PopenLauncher
 
     trainer = Trainer(accelerator="cpu", devices=2, strategy="ddpx_spawn", logger=False)
     assert not isinstance(trainer.strategy.launcher, PopenLauncher)

@@ -1,4 +1,4 @@
-"""Each strategy option is declared once (lightning_ddpx/lightning/options.py): the strategies' signatures,
+"""Each strategy option is declared once (lightning_ddpx/lightning/settings/options.py): the strategies' signatures,
 docstrings, read-back attributes and the docs tables all follow from the declarations, and these tests fail
 when any of them disagrees with the config."""
 
@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from lightning_ddpx.lightning import fabric, strategy
-from lightning_ddpx.lightning.config import DDPXConfig, DDPXConfigAttributes
-from lightning_ddpx.lightning.options import SPELLINGS, options_for
+from lightning_ddpx.lightning.settings.config import DDPXConfig, DDPXConfigAttributes
+from lightning_ddpx.lightning.settings.options import SPELLINGS, options_for
+from lightning_ddpx.lightning.strategies import fabric
+from lightning_ddpx.lightning.strategies import trainer as strategy
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STRATEGIES = {"Trainer": strategy.DDPXStrategy, "Fabric": fabric.DDPXStrategy}

@@ -114,7 +114,7 @@ def refusal(model_cls: type, **trainer_kwargs: Any) -> str:
 def fabric_loop(rank: int, overlap: bool) -> dict[str, Any]:
     from lightning.fabric import Fabric
 
-    from lightning_ddpx.lightning.fabric import DDPXStrategy
+    from lightning_ddpx.lightning.strategies.fabric import DDPXStrategy
 
     strategy = DDPXStrategy(timeout=timedelta(seconds=60), overlap_optimizer=overlap, **SMALL_BUCKETS)
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
@@ -287,7 +287,7 @@ def test_fabric_clipping_refused(results: list[dict[str, Any]]) -> None:
 
 def test_option_is_checked_at_construction() -> None:
     from lightning_ddpx import DDPXStrategy  # registers the strategies before config is imported alone
-    from lightning_ddpx.lightning.config import DDPXConfig
+    from lightning_ddpx.lightning.settings.config import DDPXConfig
 
     assert DDPXStrategy(overlap_optimizer=True).overlap_optimizer
     with pytest.raises(TypeError, match="overlap_optimizer must be True or False"):

@@ -88,7 +88,7 @@ def older_recipe(rank: int, name: str) -> list[torch.Tensor]:
     ``state.averager.average_parameters(optimizer.param_groups)``), post-local SGD as
     tests/test_post_local_sgd_oracle.py (torch's spelling, ``state.averager.average_parameters(...)``)."""
     if name == "diloco":
-        from lightning_ddpx.lightning.config import DDPXConfig
+        from lightning_ddpx.lightning.settings.config import DDPXConfig
 
         config = DDPXConfig(comm_hook="diloco", diloco=HOOKS[name]["diloco"])
         model = config.wrap(net())
@@ -215,7 +215,7 @@ def fabric_job(rank: int, world_size: int) -> dict[str, Any]:
     quiet()
     from lightning.fabric import Fabric
 
-    from lightning_ddpx.lightning.fabric import DDPXStrategy
+    from lightning_ddpx.lightning.strategies.fabric import DDPXStrategy
 
     strategy = DDPXStrategy(comm_hook="diloco", diloco={"period": 3}, timeout=timedelta(seconds=60))
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)

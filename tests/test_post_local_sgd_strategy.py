@@ -190,7 +190,7 @@ def batches(rank: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def fabric_run(data, seed: int = 0, path: str | None = None, save_at: int | None = None):
     from lightning.fabric import Fabric
 
-    from lightning_ddpx.lightning.fabric import DDPXStrategy
+    from lightning_ddpx.lightning.strategies.fabric import DDPXStrategy
 
     strategy = DDPXStrategy(
         comm_hook="post_local_sgd",
@@ -260,7 +260,7 @@ def two_optimizers_job(rank: int, world_size: int) -> dict:
     from lightning.fabric import Fabric
 
     from lightning_ddpx import DDPXStrategy
-    from lightning_ddpx.lightning.fabric import DDPXStrategy as FabricDDPXStrategy
+    from lightning_ddpx.lightning.strategies.fabric import DDPXStrategy as FabricDDPXStrategy
     from tests.strategy_helpers import ManualTwoOptimizers
 
     out: dict = {}

@@ -23,8 +23,8 @@ from lightning_ddpx.hooks.model_averaging import (
     PeriodicModelAverager,
     hierarchy_groups,
 )
-from lightning_ddpx.lightning.local_replicas import replica_for_rank
-from lightning_ddpx.lightning.post_local_sgd_setup import check_optimizers
+from lightning_ddpx.lightning.checkpoints.local_replicas import replica_for_rank
+from lightning_ddpx.lightning.features.post_local_sgd_setup import check_optimizers
 from tests.dist_utils import one_rank_group, run_distributed
 
 
@@ -103,7 +103,10 @@ def test_named_hook_options_reach_the_state_and_are_refused_elsewhere():
     ],
 )
 def test_strategy_refuses_bad_post_local_sgd_settings_in_the_constructor(kwargs, error, says):
-    for strategy_class in (DDPXStrategy, __import__("lightning_ddpx.lightning.fabric").fabric.DDPXStrategy):
+    for strategy_class in (
+        DDPXStrategy,
+        __import__("lightning_ddpx.lightning.strategies.fabric").fabric.DDPXStrategy,
+    ):
         with pytest.raises(error) as raised:
             strategy_class(**kwargs)
         assert says in str(raised.value), str(raised.value)

@@ -3,7 +3,7 @@ saved at any point of a fit resume bit for bit.
 
 The abort (``terminate called without an active exception``, return code -6) came from gloo worker
 threads releasing a finished collective's tensors after Python began finalising; see
-lightning_ddpx/lightning/process_exit.py. Each job here is two real processes started by the test (so both exit
+lightning_ddpx/lightning/processes/process_exit.py. Each job here is two real processes started by the test (so both exit
 codes are seen), running tests/exit_job.py.
 """
 

@@ -3,7 +3,7 @@
 Since torch 2.5 torchrun's workers share the agent's TCP store and a killed round's keys outlive it: torch's
 ``env://`` creation of the default group then reads the dead round's gloo addresses (Connection refused, or a
 wait in ``connectFullMesh`` until the group's timeout: pytorch/pytorch#135712).
-:mod:`lightning_ddpx.lightning.restart_rendezvous` creates the group on this round's keys only.
+:mod:`lightning_ddpx.lightning.processes.restart_rendezvous` creates the group on this round's keys only.
 
 - The fast test runs two rounds of two workers on one store the test hosts, as torchrun's agent does: the
   first round's workers create the group and die by SIGKILL, leaving their keys; the second round's connect.

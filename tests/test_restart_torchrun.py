@@ -22,7 +22,7 @@ import sys
 import pytest
 import torch
 
-from lightning_ddpx.lightning.checkpoint_io import TEMP_PREFIX
+from lightning_ddpx.lightning.checkpoints.checkpoint_io import TEMP_PREFIX
 from tests.dist_utils import REPO_ROOT, job_env, run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.processes]

@@ -171,7 +171,7 @@ def test_unused_parameter_error_keeps_ours_and_says_what_lightning_says():
 
 def test_spawn_name_trains_from_the_main_process(tmp_path, monkeypatch):
     """``ddpx_spawn``: Lightning itself starts the 2 processes (start_method="spawn")."""
-    import lightning_ddpx.lightning.strategy  # noqa: F401 - registers the names
+    import lightning_ddpx.lightning.strategies.trainer  # noqa: F401 - registers the names
     from tests.strategy_helpers import make_trainer
 
     for variable in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "NODE_RANK"):

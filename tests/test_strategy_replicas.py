@@ -152,7 +152,7 @@ def fabric_diverging(rank: int, world_size: int, directory: str) -> dict[str, An
 
     from lightning.fabric import Fabric
 
-    from lightning_ddpx.lightning.fabric import DDPXStrategy as FabricDDPXStrategy
+    from lightning_ddpx.lightning.strategies.fabric import DDPXStrategy as FabricDDPXStrategy
 
     quiet()
     strategy = FabricDDPXStrategy(timeout=timedelta(seconds=60), verify_replicas_every_n_steps=2)

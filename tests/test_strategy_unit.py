@@ -15,8 +15,8 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 from lightning_ddpx import DDPXStrategy, checkpoint_state
 from lightning_ddpx.hooks import PowerSGDOptions
-from lightning_ddpx.lightning.checkpoint_state import Restore, check_plain, select_for_rank
-from lightning_ddpx.lightning.fabric import DDPXStrategy as FabricDDPXStrategy
+from lightning_ddpx.lightning.checkpoints.checkpoint_state import Restore, check_plain, select_for_rank
+from lightning_ddpx.lightning.strategies.fabric import DDPXStrategy as FabricDDPXStrategy
 from tests.dist_utils import run_job
 
 
@@ -84,7 +84,7 @@ def test_a_string_that_is_not_a_registered_name_is_imported():
     with pytest.raises(ValueError, match=r"unknown comm_hook 'no_such.hook'.*Importing it failed"):
         DDPXStrategy(comm_hook="no_such.hook")
     with pytest.raises(ValueError, match="is a int, not a callable"):
-        DDPXStrategy(comm_hook="lightning_ddpx.lightning.checkpoint_state.FORMAT_VERSION")
+        DDPXStrategy(comm_hook="lightning_ddpx.lightning.checkpoints.checkpoint_state.FORMAT_VERSION")
 
 
 def test_powersgd_options_as_dict_or_dataclass():
@@ -166,7 +166,7 @@ def test_import_lightning_ddpx_registers_the_names():
     assert output == [
         repr(sorted(ddpx_names(StrategyRegistry))),
         repr(sorted(ddpx_names(STRATEGY_REGISTRY))),
-        "lightning_ddpx.lightning.strategy",
+        "lightning_ddpx.lightning.strategies.trainer",
     ]
 
 
@@ -264,7 +264,7 @@ def test_checkpoints_are_written_atomically_by_default() -> None:
     from lightning.pytorch.plugins import AsyncCheckpointIO
 
     from lightning_ddpx import AtomicCheckpointIO
-    from lightning_ddpx.lightning.fabric import DDPXStrategy as FabricDDPXStrategy
+    from lightning_ddpx.lightning.strategies.fabric import DDPXStrategy as FabricDDPXStrategy
 
     assert type(DDPXStrategy().checkpoint_io) is AtomicCheckpointIO
     assert type(FabricDDPXStrategy().checkpoint_io) is AtomicCheckpointIO

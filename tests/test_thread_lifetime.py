@@ -107,7 +107,7 @@ def threads_job(rank: int, world_size: int) -> dict:
     from lightning.fabric import Fabric
 
     from lightning_ddpx import DDPXStrategy
-    from lightning_ddpx.lightning.fabric import DDPXStrategy as FabricDDPXStrategy
+    from lightning_ddpx.lightning.strategies.fabric import DDPXStrategy as FabricDDPXStrategy
 
     out: dict = {}
     before = set(threading.enumerate())

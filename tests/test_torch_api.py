@@ -544,7 +544,7 @@ def test_the_strategies_pass_device_ids_as_lightnings_ddp() -> None:
     CPU; ours give our module the same (the Trainer's strategy through Lightning's own method)."""
     from lightning.fabric.strategies import DDPStrategy as FabricDDP
 
-    from lightning_ddpx.lightning.config import DDPXConfig, ddp_device_ids
+    from lightning_ddpx.lightning.settings.config import DDPXConfig, ddp_device_ids
 
     for device in (torch.device("cpu"), torch.device("cuda", 3)):
         fabric_ddp = FabricDDP(parallel_devices=[device])

@@ -123,7 +123,7 @@ def _fit(
 
 def trainer_job(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     quiet()
-    from lightning_ddpx.lightning.uneven import UnevenInputsError
+    from lightning_ddpx.lightning.features.uneven import UnevenInputsError
 
     out: dict[str, Any] = {}
     for iterable in (False, True):
@@ -198,8 +198,8 @@ def fabric_job(rank: int, world_size: int, mode: str) -> Any:
     quiet()
     from lightning.fabric import Fabric
 
-    from lightning_ddpx.lightning.fabric import DDPXStrategy
-    from lightning_ddpx.lightning.uneven import UnevenInputsError
+    from lightning_ddpx.lightning.features.uneven import UnevenInputsError
+    from lightning_ddpx.lightning.strategies.fabric import DDPXStrategy
 
     fabric = Fabric(accelerator="cpu", devices=world_size, strategy=DDPXStrategy(uneven_inputs=mode))
     fabric.launch()
@@ -257,7 +257,7 @@ class _EightItems(IterableDataset):
 
 
 def count_allreduces(rank: int, world_size: int, kind: str) -> dict[str, int]:
-    from lightning_ddpx.lightning.uneven import LockstepLoader, StepQueue
+    from lightning_ddpx.lightning.features.uneven import LockstepLoader, StepQueue
 
     loader = DataLoader(list(range(8)) if kind == "map" else _EightItems(), batch_size=1)
     calls = {"all_reduce": 0}
@@ -314,7 +314,7 @@ class ResumableLoader:
 
 
 def test_a_stateful_loaders_state_counts_only_the_batches_handed_to_training() -> None:
-    from lightning_ddpx.lightning.uneven import LockstepLoader, StepQueue
+    from lightning_ddpx.lightning.features.uneven import LockstepLoader, StepQueue
     from tests.dist_utils import one_rank_group
 
     with one_rank_group():

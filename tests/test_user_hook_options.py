@@ -16,8 +16,8 @@ from torch import nn
 
 from lightning_ddpx import DDPXStrategy
 from lightning_ddpx.hooks import allreduce_hook, build_comm_hook, register_hook_name
-from lightning_ddpx.lightning.config import DDPXConfig
-from lightning_ddpx.lightning.fabric import DDPXStrategy as FabricDDPXStrategy
+from lightning_ddpx.lightning.settings.config import DDPXConfig
+from lightning_ddpx.lightning.strategies.fabric import DDPXStrategy as FabricDDPXStrategy
 from tests.dist_utils import REPO_ROOT, one_rank_group, run_distributed
 
 HOOK = "test_scaled_mean"

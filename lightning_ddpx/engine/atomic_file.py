@@ -1,6 +1,6 @@
 """Atomic, durable file writes: ``atomic_torch_save``, every checkpoint's writer.
 
-The Lightning strategies' :class:`~lightning_ddpx.lightning.checkpoint_io.AtomicCheckpointIO` and the fault
+The Lightning strategies' :class:`~lightning_ddpx.lightning.checkpoints.checkpoint_io.AtomicCheckpointIO` and the fault
 tolerance's own ``FaultTolerance.save_checkpoint`` write through it: a temporary file in the target's
 directory, flushed and fsynced, ``os.replace``\\ d over the target, the directory fsynced. A reader sees the
 old file or the new one, never a torn one, also after a power loss once the write has returned. The

@@ -6,7 +6,7 @@ runtime aborts the process ("terminate called without an active exception", exit
 letting it exit with its status. The communication thread (:mod:`~lightning_ddpx.engine.transport.launcher`) and the
 progress writer (:mod:`~lightning_ddpx.engine.agreement.progress_board`) register here when their thread starts; one
 ``atexit`` handler stops them all, each waited for at most its own bound. The strategies' exit handler
-(:mod:`lightning_ddpx.lightning.process_exit`) calls :func:`stop_all` first, before destroying the group.
+(:mod:`lightning_ddpx.lightning.processes.process_exit`) calls :func:`stop_all` first, before destroying the group.
 
 gloo's worker threads (``pt_gloo_runloop``) abort the process the same way: a worker drops its reference to a
 finished collective -- and to the tensors it reduced -- a moment *after* the caller's ``wait()`` returned,

@@ -141,7 +141,7 @@ FabricLauncher = _FabricLauncher
 
 
 # Lightning's popen launchers (the user's process is rank 0 and starts the others with the script's
-# command), for ours, which name a lost process before anything is killed (lightning/popen_launcher.py).
+# command), for ours, which name a lost process before anything is killed (lightning/processes/popen_launcher.py).
 # A subclass, so Lightning's checks for its launcher (the Trainer's Ctrl-C path) accept ours. >= 2.0.
 TrainerSubprocessLauncher = _TrainerSubprocessLauncher
 FabricSubprocessLauncher = _FabricSubprocessLauncher

@@ -4,7 +4,7 @@ torch 2.13's ``DistributedDataParallel`` takes a few arguments for features this
 They are in our signature so that code passing them explicitly at torch's default (``None``) runs unchanged;
 any other value raises before any work, naming the argument and what to use instead, rather than being
 silently ignored (which would train differently from what was asked). The strategies refuse them with the
-same reasons (:data:`lightning_ddpx.lightning.ddp_kwargs.REFUSED`).
+same reasons (:data:`lightning_ddpx.lightning.settings.ddp_kwargs.REFUSED`).
 """
 
 from __future__ import annotations

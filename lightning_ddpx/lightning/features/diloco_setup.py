@@ -4,7 +4,7 @@
 YAML) registers a hook that keeps every rank's gradients local, and a
 :class:`~lightning_ddpx.hooks.diloco.DiLoCoState` whose outer step the module binds to its parameters when
 the hook is registered. The strategies run it after each optimizer step through the module's parameter
-averaging, exactly as post-local SGD's model averager (:func:`~lightning_ddpx.lightning.post_local_sgd_setup.average_after_step`):
+averaging, exactly as post-local SGD's model averager (:func:`~lightning_ddpx.lightning.features.post_local_sgd_setup.average_after_step`):
 the same optimizer checks, the same per-rank weights and optimizer states in checkpoints.
 """
 

@@ -9,7 +9,7 @@ and cluster environments stay Lightning's (we subclass ``DDPStrategy`` for them)
 - the communication hook is chosen by name (``comm_hook="powersgd"``) or passed as a callable, and is
   applied on every device (Lightning registers hooks on CUDA only and ignores them on CPU);
 - the hook's state (PowerSGD error feedback of every rank, shared warm-start memory, iteration) goes into
-  the checkpoint Lightning writes and is restored on resume (see :mod:`lightning_ddpx.lightning.checkpoint_state`).
+  the checkpoint Lightning writes and is restored on resume (see :mod:`lightning_ddpx.lightning.checkpoints.checkpoint_state`).
 """
 
 from __future__ import annotations
@@ -38,30 +38,25 @@ from lightning_ddpx.engine.agreement.errors import waiting_for
 from lightning_ddpx.engine.module.data_parallel import DistributedDataParallel
 from lightning_ddpx.engine.optim.parameter_averaging import ParameterAveraging
 from lightning_ddpx.lightning import _compat as lightning_compat
-from lightning_ddpx.lightning import (
-    checkpoint_state,
-    diloco_setup,
-    local_replicas,
-    optimizer_overlap_setup,
-    post_local_sgd_setup,
-)
 from lightning_ddpx.lightning._compat import PATH
-from lightning_ddpx.lightning.checkpoint_io import AtomicCheckpointIO
-from lightning_ddpx.lightning.compile import apply_lightning_compile
-from lightning_ddpx.lightning.config import (
+from lightning_ddpx.lightning.checkpoints import checkpoint_state, local_replicas
+from lightning_ddpx.lightning.checkpoints.checkpoint_io import AtomicCheckpointIO
+from lightning_ddpx.lightning.fault_tolerance.runs import FaultTolerantTrainerRun
+from lightning_ddpx.lightning.features import diloco_setup, optimizer_overlap_setup, post_local_sgd_setup
+from lightning_ddpx.lightning.features.compile import apply_lightning_compile
+from lightning_ddpx.lightning.features.replica_verification import ReplicaVerifier
+from lightning_ddpx.lightning.features.uneven import StepQueue
+from lightning_ddpx.lightning.processes.process_exit import destroy_process_group_at_exit
+from lightning_ddpx.lightning.processes.restart_rendezvous import create_default_group
+from lightning_ddpx.lightning.runs.trainer_run import TrainerRun
+from lightning_ddpx.lightning.settings.config import (
     TRAINER_STRATEGY_NAMES,
     DDPXConfig,
     DDPXConfigAttributes,
     register_strategy_names,
 )
-from lightning_ddpx.lightning.ddp_kwargs import build_ddpx_config, torch_ddp_kwargs
-from lightning_ddpx.lightning.fault_tolerance_setup import FaultTolerantTrainerRun
-from lightning_ddpx.lightning.options import takes_ddpx_options
-from lightning_ddpx.lightning.process_exit import destroy_process_group_at_exit
-from lightning_ddpx.lightning.replica_verification import ReplicaVerifier
-from lightning_ddpx.lightning.restart_rendezvous import create_default_group
-from lightning_ddpx.lightning.trainer_run import TrainerRun
-from lightning_ddpx.lightning.uneven import StepQueue
+from lightning_ddpx.lightning.settings.ddp_kwargs import build_ddpx_config, torch_ddp_kwargs
+from lightning_ddpx.lightning.settings.options import takes_ddpx_options
 
 __all__ = ["UNUSED_PARAMETERS_HINT", "DDPXStrategy"]
 
@@ -84,12 +79,12 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     Takes every argument of Lightning's ``DDPStrategy`` (``ddp_comm_hook``, ``ddp_comm_state`` and
     ``ddp_comm_wrapper`` are other spellings of ``comm_hook``, ``comm_state`` and ``comm_wrapper``) and every
     torch DDP keyword argument Lightning passes through: honoured with torch's meaning, or refused with an
-    error saying what to do instead (table in docs/strategy.md; :mod:`lightning_ddpx.lightning.ddp_kwargs`). Plus
-    the options below, declared once for both strategies (:mod:`lightning_ddpx.lightning.options`), keyword-only.
+    error saying what to do instead (table in docs/strategy.md; :mod:`lightning_ddpx.lightning.settings.ddp_kwargs`). Plus
+    the options below, declared once for both strategies (:mod:`lightning_ddpx.lightning.settings.options`), keyword-only.
 
     The options are read back as attributes (``strategy.comm_hook``, ``strategy.powersgd``, ...) from
-    ``strategy.ddpx_config``, the :class:`~lightning_ddpx.lightning.config.DDPXConfig` shared with the Fabric strategy
-    (:mod:`lightning_ddpx.lightning.fabric`).
+    ``strategy.ddpx_config``, the :class:`~lightning_ddpx.lightning.settings.config.DDPXConfig` shared with the Fabric strategy
+    (:mod:`lightning_ddpx.lightning.strategies.fabric`).
 
     Example::
 
@@ -120,7 +115,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     ) -> None:
         # Validate everything before Lightning sees the strategy: a typo fails at once, not after launch.
         self.ddpx_config = build_ddpx_config(type(self).__name__, "Trainer", kwargs)
-        # how the processes run, chosen once: plain, or fault tolerant (lightning/trainer_run.py)
+        # how the processes run, chosen once: plain, or fault tolerant (lightning/runs/trainer_run.py)
         self._run = _choose_run(self.ddpx_config)
         cluster_environment = self._run.cluster_environment(cluster_environment)
         super().__init__(
@@ -156,7 +151,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     @property
     @override
     def checkpoint_io(self) -> CheckpointIO:
-        """Lightning's default, made atomic: :class:`~lightning_ddpx.lightning.checkpoint_io.AtomicCheckpointIO`
+        """Lightning's default, made atomic: :class:`~lightning_ddpx.lightning.checkpoints.checkpoint_io.AtomicCheckpointIO`
         unless a CheckpointIO was given (argument or ``Trainer(plugins=...)``); a wrapping plugin such as
         ``AsyncCheckpointIO`` without an inner IO gets the atomic one inside."""
         if self._checkpoint_io is None:
@@ -541,7 +536,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
             self._restore_hook_state()
 
     def _add_local_replicas(self, checkpoint: dict[str, Any]) -> None:
-        """Post-local SGD: every rank's weights and optimizer state (see :mod:`lightning_ddpx.lightning.local_replicas`)."""
+        """Post-local SGD: every rank's weights and optimizer state (see :mod:`lightning_ddpx.lightning.checkpoints.local_replicas`)."""
         if not local_replicas.replicas_may_differ(self._hook_state, averaging=True):
             return
         mine = {"state_dict": checkpoint["state_dict"], "optimizer_states": checkpoint["optimizer_states"]}

@@ -1,13 +1,13 @@
 """``fault_tolerance`` in a Lightning training process: a lost rank does not end ``trainer.fit``.
 
 With ``fault_tolerance`` the Trainer strategy's run is a :class:`FaultTolerantTrainerRun` (the
-:class:`~lightning_ddpx.lightning.trainer_run.TrainerRun` whose seams are where a lost rank matters) and the
+:class:`~lightning_ddpx.lightning.runs.trainer_run.TrainerRun` whose seams are where a lost rank matters) and the
 Fabric strategy's a :class:`FaultTolerantFabricRun` (its loop steps through ``FaultTolerance`` itself); the
 protocol (membership, votes, heals) is :class:`~lightning_ddpx.fault.FaultTolerance`'s. The rules both
 strategies follow are written once here: the gloo check (:func:`check_backend`), the cluster environment,
 the hook handed to the fault tolerance (:func:`attach_hook`), the membership record in checkpoints
 (:func:`membership_record`); the options refused are
-:func:`~lightning_ddpx.lightning.fault_tolerance_options.check_options`'s. For the Trainer:
+:func:`~lightning_ddpx.lightning.settings.fault_tolerance_options.check_options`'s. For the Trainer:
 
 - **Steps.** Each optimizer step's closure (forward and backward) runs inside ``FaultTolerance.step()``; the
   optimizer steps only if every member's collectives succeeded. A discarded step counts like a step whose
@@ -34,7 +34,7 @@ the hook handed to the fault tolerance (:func:`attach_hook`), the membership rec
   (checkpoint paths, ``self.log(sync_dist=True)`` in validation, early stopping's decision) give this
   process's own value when the group failed, and the membership changes at the next step; so do the
   syncs of the LightningModule's torchmetrics metrics
-  (:mod:`~lightning_ddpx.lightning.fault_tolerance_metrics`).
+  (:mod:`~lightning_ddpx.lightning.fault_tolerance.metrics`).
 - **Ranks.** ``trainer.global_rank``/``world_size`` and ``rank_zero_only`` follow the membership: after rank 0
   is lost, the new rank 0 logs and writes checkpoints, into the same logger version (pinned at the start).
 """
@@ -61,8 +61,7 @@ from lightning_ddpx.fault.manager import (
 from lightning_ddpx.fault.membership import FaultToleranceError
 from lightning_ddpx.fault.options import FaultToleranceOptions
 from lightning_ddpx.lightning import _compat as lightning_compat
-from lightning_ddpx.lightning.fabric_run import FabricRun, StrategyView
-from lightning_ddpx.lightning.fault_tolerance_launch import (
+from lightning_ddpx.lightning.fault_tolerance.launch import (
     FabricFaultTolerantLauncher,
     FaultTolerantEnvironment,
     FaultTolerantLauncher,
@@ -71,14 +70,15 @@ from lightning_ddpx.lightning.fault_tolerance_launch import (
     in_training_process,
     join_run,
 )
-from lightning_ddpx.lightning.fault_tolerance_metrics import MetricSyncGuard
-from lightning_ddpx.lightning.fault_tolerance_state import digest, state_digests
-from lightning_ddpx.lightning.trainer_run import Default, TrainerRun, TrainerStrategyView
+from lightning_ddpx.lightning.fault_tolerance.metrics import MetricSyncGuard
+from lightning_ddpx.lightning.fault_tolerance.state import digest, state_digests
+from lightning_ddpx.lightning.runs.fabric_run import FabricRun, StrategyView
+from lightning_ddpx.lightning.runs.trainer_run import Default, TrainerRun, TrainerStrategyView
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
 
-    from lightning_ddpx.lightning.config import DDPXConfig
+    from lightning_ddpx.lightning.settings.config import DDPXConfig
 
 __all__ = [
     "CHECKPOINT_KEY",
@@ -460,7 +460,7 @@ class FaultTolerantTrainerRun(TrainerRun):
     def _verify_whole_state(self) -> None:
         """After the first step that a healed newcomer trained: every member's whole training state -- what
         a checkpoint holds: parameters, optimizers and their hyper-parameters, schedulers, loops, each
-        callback (:mod:`~lightning_ddpx.lightning.fault_tolerance_state`) -- the same, or a named error on
+        callback (:mod:`~lightning_ddpx.lightning.fault_tolerance.state`) -- the same, or a named error on
         every member. The replica check at the heal covers parameters and buffers only; a scheduler or a
         callback restored differently would split the members' later updates silently."""
         assert self.fault is not None

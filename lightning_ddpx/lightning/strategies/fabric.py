@@ -1,7 +1,7 @@
 """``DDPXStrategy`` for Lightning Fabric: ``Fabric(strategy="ddpx")`` on lightning_ddpx's module and hooks.
 
 The Fabric twin of :class:`lightning_ddpx.DDPXStrategy` (the Trainer one): the same options, validated and
-applied by the same :class:`~lightning_ddpx.lightning.config.DDPXConfig`. Launching and rendezvous stay Fabric's (we
+applied by the same :class:`~lightning_ddpx.lightning.settings.config.DDPXConfig`. Launching and rendezvous stay Fabric's (we
 subclass its ``DDPStrategy``). What changes:
 
 - ``fabric.setup(model, ...)`` wraps the model in :class:`lightning_ddpx.DistributedDataParallel` and
@@ -37,7 +37,6 @@ from typing_extensions import override
 from lightning_ddpx.engine.module.data_parallel import DistributedDataParallel
 from lightning_ddpx.engine.reducer.comm_stats import CommStatsSummary
 from lightning_ddpx.fault.manager import FaultTolerance
-from lightning_ddpx.lightning import local_replicas, optimizer_overlap_setup, post_local_sgd_setup
 from lightning_ddpx.lightning._compat import (
     PATH,
     DDPBackwardSyncControl,
@@ -45,23 +44,25 @@ from lightning_ddpx.lightning._compat import (
     forward_module,
     weights_only_argument,
 )
-from lightning_ddpx.lightning.checkpoint_io import AtomicCheckpointIO
-from lightning_ddpx.lightning.checkpoint_state import CHECKPOINT_KEY
-from lightning_ddpx.lightning.config import (
+from lightning_ddpx.lightning.checkpoints import local_replicas
+from lightning_ddpx.lightning.checkpoints.checkpoint_io import AtomicCheckpointIO
+from lightning_ddpx.lightning.checkpoints.checkpoint_state import CHECKPOINT_KEY
+from lightning_ddpx.lightning.fault_tolerance.runs import FaultTolerantFabricRun
+from lightning_ddpx.lightning.features import optimizer_overlap_setup, post_local_sgd_setup
+from lightning_ddpx.lightning.features.replica_verification import ReplicaVerifier
+from lightning_ddpx.lightning.features.uneven import StepInfo, StepQueue
+from lightning_ddpx.lightning.processes.process_exit import destroy_process_group_at_exit
+from lightning_ddpx.lightning.processes.restart_rendezvous import create_default_group
+from lightning_ddpx.lightning.runs.fabric_run import FabricRun
+from lightning_ddpx.lightning.settings.config import (
     FABRIC_STRATEGY_NAMES,
     DDPXConfig,
     DDPXConfigAttributes,
     ddp_device_ids,
     register_strategy_names,
 )
-from lightning_ddpx.lightning.ddp_kwargs import build_ddpx_config, torch_ddp_kwargs
-from lightning_ddpx.lightning.fabric_run import FabricRun
-from lightning_ddpx.lightning.fault_tolerance_setup import FaultTolerantFabricRun
-from lightning_ddpx.lightning.options import takes_ddpx_options
-from lightning_ddpx.lightning.process_exit import destroy_process_group_at_exit
-from lightning_ddpx.lightning.replica_verification import ReplicaVerifier
-from lightning_ddpx.lightning.restart_rendezvous import create_default_group
-from lightning_ddpx.lightning.uneven import StepInfo, StepQueue
+from lightning_ddpx.lightning.settings.ddp_kwargs import build_ddpx_config, torch_ddp_kwargs
+from lightning_ddpx.lightning.settings.options import takes_ddpx_options
 
 __all__ = ["DDPXStrategy", "take_comm_stats"]
 
@@ -75,7 +76,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     Takes every argument of Fabric's ``DDPStrategy``, torch's DDP keyword arguments (honoured or refused
     with an error, as in the Trainer strategy) and Lightning's ``ddp_comm_hook``/``ddp_comm_state``/
     ``ddp_comm_wrapper`` spellings, plus the options below (declared once for both strategies in
-    :mod:`lightning_ddpx.lightning.options`, keyword-only), with the Trainer strategy's meaning and checks.
+    :mod:`lightning_ddpx.lightning.settings.options`, keyword-only), with the Trainer strategy's meaning and checks.
 
     Example::
 
@@ -104,7 +105,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     ) -> None:
         # Validate before Fabric sees the strategy: a typo fails at once, not after launch.
         self.ddpx_config = build_ddpx_config(type(self).__name__, "Fabric", kwargs)
-        # how the processes run, chosen once: plain, or fault tolerant (lightning/fabric_run.py)
+        # how the processes run, chosen once: plain, or fault tolerant (lightning/runs/fabric_run.py)
         self._run = _choose_run(self.ddpx_config)
         cluster_environment = self._run.cluster_environment(cluster_environment)
         super().__init__(
@@ -130,7 +131,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
     @property
     @override
     def checkpoint_io(self) -> CheckpointIO:
-        """Fabric's default, made atomic (:class:`~lightning_ddpx.lightning.checkpoint_io.AtomicCheckpointIO`),
+        """Fabric's default, made atomic (:class:`~lightning_ddpx.lightning.checkpoints.checkpoint_io.AtomicCheckpointIO`),
         unless a CheckpointIO was given."""
         if self._checkpoint_io is None:
             self._checkpoint_io = AtomicCheckpointIO()
@@ -370,7 +371,7 @@ class DDPXStrategy(DDPXConfigAttributes, DDPStrategy):
         self, state: Mapping[str, Any], modules: Mapping[str, DistributedDataParallel]
     ) -> Optional[list[Any]]:
         """Post-local SGD: every rank's modules and optimizers of ``state``, on rank 0 (a collective; see
-        :mod:`lightning_ddpx.lightning.local_replicas`). ``None`` while the replicas are still identical."""
+        :mod:`lightning_ddpx.lightning.checkpoints.local_replicas`). ``None`` while the replicas are still identical."""
         averaged = {id(module) for module in self._averaged}
         if not any(
             local_replicas.replicas_may_differ(module.comm_hook_state, id(module) in averaged)

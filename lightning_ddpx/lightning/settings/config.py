@@ -4,7 +4,7 @@ One :class:`DDPXConfig` holds the communication hook and the module options, val
 both strategies fail on the same typo with the same message before any process starts. It then does the
 work the two strategies share: wrap a module in :class:`lightning_ddpx.DistributedDataParallel` and register
 the hook on it (on every device type, CPU included), name the hook for checkpoints, and write or restore the
-hook's checkpoint entry with the bucket layout (the entry format is :mod:`lightning_ddpx.lightning.checkpoint_state`'s).
+hook's checkpoint entry with the bucket layout (the entry format is :mod:`lightning_ddpx.lightning.checkpoints.checkpoint_state`'s).
 What differs between Trainer and Fabric -- when a model is set up, where the entry sits in the file -- stays
 in the strategies.
 """
@@ -36,15 +36,20 @@ from lightning_ddpx.hooks.registry import (
     wrap_hook,
     wrapper_names,
 )
-from lightning_ddpx.lightning import (
-    checkpoint_state,
+from lightning_ddpx.lightning.checkpoints import checkpoint_state
+from lightning_ddpx.lightning.features import (
     diloco_setup,
-    fault_tolerance_options,
     optimizer_overlap_setup,
     post_local_sgd_setup,
     replica_verification,
 )
-from lightning_ddpx.lightning.uneven import LockstepLoader, StepQueue, UnevenInputs, check_uneven_inputs
+from lightning_ddpx.lightning.features.uneven import (
+    LockstepLoader,
+    StepQueue,
+    UnevenInputs,
+    check_uneven_inputs,
+)
+from lightning_ddpx.lightning.settings import fault_tolerance_options
 
 __all__ = [
     "FABRIC_STRATEGY_NAMES",
@@ -78,7 +83,7 @@ def _option(
     fabric_doc: Optional[str] = None,
 ) -> Any:
     """Declare one option: its default, what it does (the strategies' docstrings and the docs tables are
-    made from ``doc``; see :mod:`lightning_ddpx.lightning.options`), its own check, which strategies take it."""
+    made from ``doc``; see :mod:`lightning_ddpx.lightning.settings.options`), its own check, which strategies take it."""
     metadata = {"doc": doc, "check": check, "strategies": strategies, "fabric_doc": fabric_doc}
     return field(default=default, metadata=metadata)
 
@@ -352,7 +357,7 @@ class DDPXConfig:
     def wrap_training_loader(
         self, loader: Any, process_group: dist.ProcessGroup, device: Any, steps: StepQueue, for_fabric: bool
     ) -> Any:
-        """``loader`` iterated in lockstep across ranks (:mod:`lightning_ddpx.lightning.uneven`), unless
+        """``loader`` iterated in lockstep across ranks (:mod:`lightning_ddpx.lightning.features.uneven`), unless
         ``uneven_inputs="off"`` or there is one rank. For the Trainer a collective: every rank calls it."""
         if self.uneven_inputs == "off" or dist.get_world_size(process_group) == 1:
             return loader

@@ -1,8 +1,8 @@
 """How the Fabric strategy runs its processes: chosen once, when the strategy is built.
 
-As for the Trainer (:mod:`lightning_ddpx.lightning.trainer_run`): a run of
-:class:`~lightning_ddpx.lightning.fabric.DDPXStrategy` is plain -- :class:`FabricRun` -- or fault tolerant --
-:class:`~lightning_ddpx.lightning.fault_tolerance_setup.FaultTolerantFabricRun`. Each method is one seam where
+As for the Trainer (:mod:`lightning_ddpx.lightning.runs.trainer_run`): a run of
+:class:`~lightning_ddpx.lightning.strategies.fabric.DDPXStrategy` is plain -- :class:`FabricRun` -- or fault tolerant --
+:class:`~lightning_ddpx.lightning.fault_tolerance.runs.FaultTolerantFabricRun`. Each method is one seam where
 the two differ; the strategy's overrides call it with Fabric's own behaviour as a function (``default``), and
 no method of the strategy asks which run it is in.
 """
@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
 from torch import nn
 
 from lightning_ddpx.engine.module.data_parallel import DistributedDataParallel
-from lightning_ddpx.lightning import post_local_sgd_setup
-from lightning_ddpx.lightning.popen_launcher import FabricPopenLauncher
+from lightning_ddpx.lightning.features import post_local_sgd_setup
+from lightning_ddpx.lightning.processes.popen_launcher import FabricPopenLauncher
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
 
     from lightning_ddpx.fault.manager import FaultTolerance
     from lightning_ddpx.lightning._compat import FabricLauncher
-    from lightning_ddpx.lightning.config import DDPXConfig
+    from lightning_ddpx.lightning.settings.config import DDPXConfig
 
 __all__ = ["FabricRun", "StrategyView"]
 
@@ -61,7 +61,7 @@ class FabricRun:
         if start_method != "popen":
             return None
         assert strategy.cluster_environment is not None
-        # Fabric's, naming a lost process before anything is killed (lightning/popen_launcher.py)
+        # Fabric's, naming a lost process before anything is killed (lightning/processes/popen_launcher.py)
         return FabricPopenLauncher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
 
     def distributed_sampler_kwargs(self, strategy: StrategyView, default: Default) -> dict[str, Any]:

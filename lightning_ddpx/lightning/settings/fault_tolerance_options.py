@@ -1,6 +1,6 @@
 """The strategy options fault tolerance cannot follow, refused by name when a strategy is built.
 
-Its own module so that :mod:`lightning_ddpx.lightning.config` (which calls it while it checks the options)
+Its own module so that :mod:`lightning_ddpx.lightning.settings.config` (which calls it while it checks the options)
 imports nothing that imports it back.
 """
 

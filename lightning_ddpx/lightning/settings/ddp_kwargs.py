@@ -25,7 +25,7 @@ from lightning_ddpx.engine.option_values import check_flags
 from lightning_ddpx.hooks.registry import wrapper_named, wrapper_names
 
 if TYPE_CHECKING:
-    from lightning_ddpx.lightning.config import DDPXConfig
+    from lightning_ddpx.lightning.settings.config import DDPXConfig
 
 __all__ = [
     "HONOURED",
@@ -197,7 +197,7 @@ def merge_lightning_hook_args(
             f"got {type(ddp_comm_wrapper).__name__}."
         )
     if isinstance(hook, str):
-        from lightning_ddpx.lightning.config import resolve_comm_hook
+        from lightning_ddpx.lightning.settings.config import resolve_comm_hook
 
         hook = resolve_comm_hook(hook)  # an import path becomes the callable; a registered name stays
     if hook is None or isinstance(hook, str):
@@ -221,13 +221,13 @@ def _import(path: str, option: str) -> Any:
 
 
 def build_ddpx_config(owner: str, strategy: str, arguments: Mapping[str, Any]) -> "DDPXConfig":
-    """The :class:`~lightning_ddpx.lightning.config.DDPXConfig` of a ``strategy`` (``"Trainer"``/``"Fabric"``)
+    """The :class:`~lightning_ddpx.lightning.settings.config.DDPXConfig` of a ``strategy`` (``"Trainer"``/``"Fabric"``)
     from every keyword argument beyond Lightning's own that its constructor received.
 
-    Our options (:mod:`lightning_ddpx.lightning.options`) are taken by name, Lightning's and torch's
+    Our options (:mod:`lightning_ddpx.lightning.settings.options`) are taken by name, Lightning's and torch's
     spellings are mapped, and what is left is a torch DDP argument: honoured, refused or unknown here.
     """
-    from lightning_ddpx.lightning.options import option_names
+    from lightning_ddpx.lightning.settings.options import option_names
 
     accepted = option_names(strategy)
     elsewhere = sorted(set(arguments) & (option_names() - accepted))
@@ -266,7 +266,7 @@ def _config_from(
     optimisations that leave every gradient unchanged: our reducer already copies each bucket in one batched
     call, and parameters unused on every rank keep their gradient untouched either way.
     """
-    from lightning_ddpx.lightning.config import DDPXConfig
+    from lightning_ddpx.lightning.settings.config import DDPXConfig
 
     check_passthrough_kwargs(passthrough, owner)
     broadcast_buffers = options.get("broadcast_buffers", True)  # merged with forward_sync_buffers below

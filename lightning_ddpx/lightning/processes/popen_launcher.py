@@ -22,7 +22,7 @@ the user sees no error at all, only a process killed by SIGKILL. Ours starts the
 
 A child ending with 0 is no loss (a rank may finish first); nor are the ends that the launcher itself
 causes (``kill``: Ctrl-C, SIGTERM forwarded by the Trainer). Fault-tolerant runs have their own launcher
-(:mod:`lightning_ddpx.lightning.fault_tolerance_launch`).
+(:mod:`lightning_ddpx.lightning.fault_tolerance.launch`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """How the Trainer strategy runs its processes: chosen once, when the strategy is built.
 
-A run of :class:`~lightning_ddpx.lightning.strategy.DDPXStrategy` is either plain -- :class:`TrainerRun`, what
+A run of :class:`~lightning_ddpx.lightning.strategies.trainer.DDPXStrategy` is either plain -- :class:`TrainerRun`, what
 torch's DDP does under Lightning -- or fault tolerant --
-:class:`~lightning_ddpx.lightning.fault_tolerance_setup.FaultTolerantTrainerRun`, where a lost rank does not end
+:class:`~lightning_ddpx.lightning.fault_tolerance.runs.FaultTolerantTrainerRun`, where a lost rank does not end
 ``trainer.fit``. The engine picks its ``Transport`` once in the same way. Each method of :class:`TrainerRun` is
 one seam where the two runs differ; the strategy's overrides call it, handing it Lightning's own behaviour as
 a function (``default``), so that no method of the strategy asks which run it is in, and what fault tolerance
@@ -17,15 +17,15 @@ import torch
 from lightning.pytorch.trainer.states import RunningStage
 
 from lightning_ddpx.engine.module.data_parallel import DistributedDataParallel
-from lightning_ddpx.lightning import post_local_sgd_setup
-from lightning_ddpx.lightning.fabric_run import StrategyView
-from lightning_ddpx.lightning.popen_launcher import PopenLauncher
+from lightning_ddpx.lightning.features import post_local_sgd_setup
+from lightning_ddpx.lightning.processes.popen_launcher import PopenLauncher
+from lightning_ddpx.lightning.runs.fabric_run import StrategyView
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
 
     from lightning_ddpx.lightning._compat import TrainerLauncher
-    from lightning_ddpx.lightning.config import DDPXConfig
+    from lightning_ddpx.lightning.settings.config import DDPXConfig
 
 __all__ = ["TrainerRun", "TrainerStrategyView"]
 
@@ -33,8 +33,8 @@ Default = Callable[[], Any]
 
 
 class TrainerStrategyView(StrategyView, Protocol):
-    """What the Trainer's runs read of :class:`~lightning_ddpx.lightning.strategy.DDPXStrategy` beyond
-    :class:`~lightning_ddpx.lightning.fabric_run.StrategyView`."""
+    """What the Trainer's runs read of :class:`~lightning_ddpx.lightning.strategies.trainer.DDPXStrategy` beyond
+    :class:`~lightning_ddpx.lightning.runs.fabric_run.StrategyView`."""
 
     @property
     def launcher(self) -> Any: ...
@@ -55,7 +55,7 @@ class TrainerRun:
         if start_method != "popen":
             return None
         assert strategy.cluster_environment is not None
-        # Lightning's, naming a lost process before anything is killed (lightning/popen_launcher.py)
+        # Lightning's, naming a lost process before anything is killed (lightning/processes/popen_launcher.py)
         return PopenLauncher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
 
     def distributed_sampler_kwargs(self, strategy: TrainerStrategyView, default: Default) -> dict[str, Any]:

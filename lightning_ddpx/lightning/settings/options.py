@@ -3,16 +3,16 @@
 Where the declarations are:
 
 - our options (hook, module, Lightning behaviour) are the fields of
-  :class:`~lightning_ddpx.lightning.config.DDPXConfig`: name, type, default, its own check and its doc text
+  :class:`~lightning_ddpx.lightning.settings.config.DDPXConfig`: name, type, default, its own check and its doc text
   (``_option(...)``), and which strategies take it;
 - Lightning's and torch's other spellings of them (``ddp_comm_hook``, ``forward_sync_buffers``, ...), which
-  :func:`~lightning_ddpx.lightning.ddp_kwargs.build_ddpx_config` maps onto ours, are :data:`SPELLINGS` below.
+  :func:`~lightning_ddpx.lightning.settings.ddp_kwargs.build_ddpx_config` maps onto ours, are :data:`SPELLINGS` below.
 
 What follows from them, so nothing is written twice:
 
 - each strategy's signature (``__init__.__signature__``: what LightningCLI, ``help()`` and
   ``inspect.signature`` read) and the ``Args`` of its docstring: :func:`takes_ddpx_options`;
-- the read-only attributes ``strategy.bucket_cap_mb``, ... (:class:`~lightning_ddpx.lightning.config.DDPXConfigAttributes`);
+- the read-only attributes ``strategy.bucket_cap_mb``, ... (:class:`~lightning_ddpx.lightning.settings.config.DDPXConfigAttributes`);
 - the option tables in docs/strategy.md and docs/fabric.md: :func:`options_table`
   (``python scripts/options_tables.py`` rewrites them; tests/test_options.py fails when they are stale).
 
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar, Union
 
 from lightning_ddpx.engine.buckets.grad_bucket import CommHook
-from lightning_ddpx.lightning.config import DDPXConfig
+from lightning_ddpx.lightning.settings.config import DDPXConfig
 
 __all__ = [
     "SPELLINGS",
