@@ -122,7 +122,7 @@ def run_one(args: argparse.Namespace, seed: int, victim: str | None) -> dict:
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
-        # The shared-memory transport is off, as in tests/test_fault_tolerance.py: gloo's groups are the ones
+        # The shared-memory transport is off, as in tests/fault/test_fault_tolerance.py: gloo's groups are the ones
         # a fault-tolerant run rebuilds.
         "DDPX_SHARED_MEMORY": "0",
         "PYTHONPATH": os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p),

@@ -39,7 +39,7 @@ ranks). Every figure is set against today's recipe, measured in the same run:
    judged on ft.step()'s own time (entering plus the median member's vote, over the plain step), on the
    same-process ratio and on the whole runs' ratio.
 
-Shared memory between two ranks is off in every run (``DDPX_SHARED_MEMORY=0``, as in tests/test_fault_tolerance.py):
+Shared memory between two ranks is off in every run (``DDPX_SHARED_MEMORY=0``, as in tests/fault/test_fault_tolerance.py):
 three ranks never use it, and the two survivors should not switch transport mid-run. The options of
 :class:`~lightning_ddpx.fault.FaultToleranceOptions` are the defaults but in 2. (``--collective-timeout-s``
 changes 1.'s).

@@ -3,7 +3,7 @@
     python -m lightning_ddpx.fault.launch --nproc 3 -- benchmarks/fault_bench_job.py ft OUT_DIR [options]
     RANK=0 WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=P benchmarks/fault_bench_job.py plain OUT_DIR [options]
 
-``ft``: the bare module under :class:`~lightning_ddpx.fault.FaultTolerance` (modelled on tests/fault_job.py).
+``ft``: the bare module under :class:`~lightning_ddpx.fault.FaultTolerance` (modelled on tests/jobs/fault_job.py).
 ``plain``: today's recipe, ``torch.distributed.init_process_group`` (``env://``) and our
 ``DistributedDataParallel``, optionally resuming from a checkpoint (``--load-checkpoint``).
 

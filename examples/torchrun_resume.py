@@ -19,7 +19,7 @@ again (``--max-restarts 1``); the new processes find ``last.ckpt`` and resume fr
 ``fit(ckpt_path="last")``: model, optimizer, loops, and every rank's PowerSGD state (error feedback,
 warm-start memory, iteration). Because the checkpoint is taken at an epoch boundary and the sampler's
 shuffling depends only on the seed and the epoch, the resumed run ends with exactly the parameters of a run
-that was never interrupted (``--kill-epoch -1``); tests/test_restart_torchrun.py checks this bit for bit.
+that was never interrupted (``--kill-epoch -1``); tests/lightning/test_restart_torchrun.py checks this bit for bit.
 
 Each process writes ``attempt<N>-rank<R>.json`` into ``--workdir`` (what it resumed from, and the PowerSGD
 iteration it started at); rank 0 writes the final parameters to ``--workdir/final.pt``.

@@ -11,7 +11,7 @@
 # it skipped); non-zero when a part failed or ran out of time.
 #
 #   bash scripts/gpu_check.sh                  # on a machine with a GPU
-#   bash scripts/gpu_check.sh --dry-run        # anywhere: the CPU side (CI runs it: tests/test_gpu_check.py)
+#   bash scripts/gpu_check.sh --dry-run        # anywhere: the CPU side (CI runs it: tests/engine/test_gpu_check.py)
 #   bash scripts/gpu_check.sh --results-dir DIR
 #
 # --dry-run (on any machine, GPUs hidden): the cuda tests are collected and skip, and the benchmark runs its

@@ -1,7 +1,7 @@
 """Rewrite the option tables in docs/strategy.md and docs/fabric.md from the declarations.
 
     python scripts/options_tables.py          # rewrite the tables that are stale
-    python scripts/options_tables.py --check  # exit 1 if any table is stale (tests/test_options.py does this)
+    python scripts/options_tables.py --check  # exit 1 if any table is stale (tests/lightning/test_options.py does this)
 
 The tables sit between two HTML comments; everything else on the pages is hand-written.
 """

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the test suite. Creates and fills .venv (with the dev extra) on first use.
-# Extra arguments go to pytest, e.g. `bash scripts/test.sh tests/test_package.py -m "not slow"`.
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh tests/project/test_package.py -m "not slow"`.
 # `--fast` first: only the tests that start no process (-m "not processes"; tests/conftest.py fails a test
 # that starts one unmarked), under 2 minutes on 2 cores, e.g. `bash scripts/test.sh --fast -k bucket`.
 set -euo pipefail

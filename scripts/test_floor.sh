@@ -19,6 +19,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt
 fi
 .venv-floor/bin/python -c "import lightning; assert lightning.__version__ == '$LIGHTNING_FLOOR', lightning.__version__"
 OMP_NUM_THREADS=1 .venv-floor/bin/python -m pytest -q -p no:cacheprovider \
-    tests/test_layers.py tests/test_options.py tests/test_strategy_unit.py tests/test_strategy_training.py \
-    tests/test_fabric.py tests/test_strategy_checkpoint.py tests/test_ddp_kwargs.py tests/test_strategy_cli.py \
-    tests/test_uneven_strategies.py tests/test_overlap_optimizer_strategy.py "$@"
+    tests/project/test_layers.py tests/lightning/test_options.py tests/lightning/test_strategy_unit.py tests/lightning/test_strategy_training.py \
+    tests/lightning/test_fabric.py tests/lightning/test_strategy_checkpoint.py tests/lightning/test_ddp_kwargs.py tests/lightning/test_strategy_cli.py \
+    tests/lightning/test_uneven_strategies.py tests/lightning/test_overlap_optimizer_strategy.py "$@"

@@ -9,7 +9,7 @@ about half of all float32 ``x``. The CPU divides (IEEE, correctly rounded), and 
 divisor is a tensor on the GPU. :class:`CudaDivisionRule` makes every division of a float32, float16 or
 bfloat16 tensor by a Python number inside it compute what CUDA computes; a division by a tensor is left
 alone (on CUDA the code under test makes its divisors on the values' own device: no CPU scalar there).
-``tests/test_cuda.py`` checks on a GPU that the rule reproduces CUDA's results.
+``tests/engine/test_cuda.py`` checks on a GPU that the rule reproduces CUDA's results.
 """
 
 from __future__ import annotations

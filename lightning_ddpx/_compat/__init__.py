@@ -7,10 +7,10 @@
   Lightning, so that importing it imports Lightning (and registers our strategy names) before its own body.
 
 Each name carries why we need it and since which version it exists, so an upgrade that breaks one breaks it
-here, in one place, and tests/test_compat.py (which imports and exercises every name) says which. No other
-module of the package may import a private name of torch or Lightning (tests/test_compat.py scans for that)
+here, in one place, and tests/lightning/test_compat.py (which imports and exercises every name) says which. No other
+module of the package may import a private name of torch or Lightning (tests/lightning/test_compat.py scans for that)
 or touch a private attribute of their objects (``optimizer._optimizer_step_pre_hooks``,
-``precision._wrap_closure``: tests/test_architecture.py scans for that); a function here does it, and says
+``precision._wrap_closure``: tests/project/test_architecture.py scans for that); a function here does it, and says
 which versions it was checked on.
 This package imports neither dependency itself.
 """

@@ -249,7 +249,7 @@ def summarize_runs(
 ) -> list[ConvergenceRow]:
     """Rows in contender order for the contenders that ran; ``runs[name]`` is rank 0's worker record."""
     # Accuracy at equal steps is checked against our allreduce, else torch's DDP (the same average, which
-    # tests/test_engine_oracle.py shows step by step): lossless and lossy runs on the same seeds and data.
+    # tests/engine/test_engine_oracle.py shows step by step): lossless and lossy runs on the same seeds and data.
     source = next((name for name in ("allreduce", "torch-ddp") if name in runs), None)
     reference = _final(runs[source]["val"]) if source is not None else None
     equal_steps = len(runs[source]["time_s"]) if source is not None else None

@@ -1,6 +1,6 @@
 """The data-parallel engine: torch and ``torch.distributed`` only, no Lightning, no hook implementations.
 
-Rooms, each importing only the rooms listed before it (``tests/test_architecture.py`` keeps this order):
+Rooms, each importing only the rooms listed before it (``tests/project/test_architecture.py`` keeps this order):
 
 1. leaf modules: :mod:`.option_values`, :mod:`.profiling`, :mod:`.weak_calls`, :mod:`.exit_threads`,
    :mod:`.atomic_file`;

@@ -1,7 +1,7 @@
 """The Lightning layer: the Trainer strategy, the Fabric strategy and what they share. Everything that
 imports ``lightning`` lives here, so the engine and the hooks can be used without it.
 
-Rooms, each importing only the rooms listed before it (``tests/test_architecture.py`` keeps this order):
+Rooms, each importing only the rooms listed before it (``tests/project/test_architecture.py`` keeps this order):
 
 1. leaf modules: :mod:`._compat` (the private Lightning names we use, and since which version);
 2. :mod:`.checkpoints`: what a checkpoint holds beyond Lightning's own (every rank's hook state, every

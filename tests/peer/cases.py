@@ -29,7 +29,7 @@ EXCLUDED: dict[str, str] = {
         "reads the runtime timings torch's C++ reducer takes at sampled iterations (forward_compute_time, "
         "backward_compute_time, backward_comm_time, their overlap and averages, in ns) and its per-iteration "
         "gradient-ready order; lightning_ddpx's _get_ddp_logging_data() gives torch's construction keys, "
-        "iteration, buckets and errors (tests/test_torch_api.py) but takes no such timings: comm_stats() "
+        "iteration, buckets and errors (tests/engine/test_torch_api.py) but takes no such timings: comm_stats() "
         "reports what our reducer measures."
     ),
 }

@@ -2,7 +2,7 @@
 
 Pure tensor code, no process group: each function takes a :class:`Bucket` and the facts of this backward it
 needs (which parameters were used, the scale), so the copies are tested in one process
-(``tests/test_buckets.py``). The reducer decides *when* these run; this module decides *how* the
+(``tests/engine/test_buckets.py``). The reducer decides *when* these run; this module decides *how* the
 gradients get into a bucket and back into ``param.grad``.
 """
 

@@ -13,7 +13,7 @@ copies of those scalars computes every element as the whole update does, provide
 elementwise kernels' vector blocks (``bucketing.CHUNK_ALIGN_ELEMENTS``). Each slice's state tensors are
 views into the parameter's state, so the update lands in the user's optimizer state; the scalars (``step``
 and the like) advance once per slice on private copies and are written back once, when the last slice is
-done. ``tests/test_piecewise_step.py`` compares piecewise and whole updates for every optimizer listed.
+done. ``tests/engine/test_piecewise_step.py`` compares piecewise and whole updates for every optimizer listed.
 
 A parameter qualifies only when that reasoning holds for it (:func:`steps_in_pieces`): an optimizer listed
 here (Adafactor is not: its factored statistics are means over rows and columns), a contiguous parameter

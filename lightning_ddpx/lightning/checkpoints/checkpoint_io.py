@@ -7,7 +7,7 @@ same filesystem. When they are not (``/tmp`` on tmpfs or a local disk, checkpoin
 network share), ``shutil.move`` copies the bytes *into the target* instead: a process killed during the
 copy leaves a truncated checkpoint that no longer loads, and the previous one is already gone. In both
 cases nothing is fsynced, and a kill leaves a full-size orphan in ``$TMPDIR``.
-``tests/test_checkpoint_safety.py`` demonstrates the torn file with a SIGKILL in the middle of the copy.
+``tests/lightning/test_checkpoint_safety.py`` demonstrates the torn file with a SIGKILL in the middle of the copy.
 
 ``AtomicCheckpointIO`` writes local checkpoints into a temporary file *in the target's directory*, flushes
 and fsyncs it, ``os.replace``\\ s it over the target and fsyncs the directory. A reader (or a resumed job)

@@ -8,7 +8,7 @@ Lightning runs when ``fit`` has little or nothing left to do -- releasing a tens
 go of needs the GIL, Python exits the thread instead, and the C++ runtime aborts the process
 ("terminate called without an active exception", return code -6). Measured on torch 2.13 with two gloo
 processes whose last act is one ``all_reduce``: 7 of 30 runs aborted; 0 of 30 when the group is destroyed
-at exit (see tests/test_process_exit.py). torch leaves this to the user (pytorch#179291 was abandoned) and
+at exit (see tests/lightning/test_process_exit.py). torch leaves this to the user (pytorch#179291 was abandoned) and
 Lightning destroys the group at exit for NCCL only.
 
 The strategies call :func:`destroy_process_group_at_exit` once their group exists. The handler first stops

@@ -14,7 +14,7 @@ What follows from them, so nothing is written twice:
   ``inspect.signature`` read) and the ``Args`` of its docstring: :func:`takes_ddpx_options`;
 - the read-only attributes ``strategy.bucket_cap_mb``, ... (:class:`~lightning_ddpx.lightning.settings.config.DDPXConfigAttributes`);
 - the option tables in docs/strategy.md and docs/fabric.md: :func:`options_table`
-  (``python scripts/options_tables.py`` rewrites them; tests/test_options.py fails when they are stale).
+  (``python scripts/options_tables.py`` rewrites them; tests/lightning/test_options.py fails when they are stale).
 
 Adding an option: one ``_option(...)`` field on ``DDPXConfig`` (or an :class:`Option` in :data:`SPELLINGS`),
 then use it where it acts; docs/dev/architecture.md has the recipe.
