@@ -25,8 +25,8 @@ from lightning_ddpx.bench.convergence import (
 from lightning_ddpx.bench.convergence_cli import DEFAULT_CONTENDERS, load_accuracy_verdicts
 from lightning_ddpx.bench.report import recommend
 from lightning_ddpx.bench.tasks import DigitsCNN, DigitsUpscaled, PydocText, pydoc_tokens
-from tests.dist_utils import run_job
 from tests.bench.test_bench_cli import _row
+from tests.dist_utils import run_job
 
 
 def curve(step_s: float, metrics: list[float], every: int = 10, sent: float = 100.0) -> dict[str, Any]:

@@ -487,8 +487,8 @@ def test_gradients_from_two_streams_in_one_bucket():
 
 
 def run_sync_batchnorm(rank: int, world_size: int) -> dict[str, Any]:
-    from tests.strategy_helpers import fit, quiet
     from tests.engine.test_ddp_features import WithBatchNorm, state_of
+    from tests.strategy_helpers import fit, quiet
 
     quiet()
     out = {}

@@ -23,8 +23,8 @@ import lightning_ddpx
 from lightning_ddpx._compat.torch import inputs_to_device
 from lightning_ddpx.engine.module.placement import resolve_placement
 from tests.dist_utils import one_rank_group, run_distributed
-from tests.oracle import assert_same_tensors, rank_batch, train_side_by_side
 from tests.engine.test_engine_oracle import conv_bn, conv_loss, mlp, mlp_loss
+from tests.oracle import assert_same_tensors, rank_batch, train_side_by_side
 
 TORCH_DDP = torch.nn.parallel.DistributedDataParallel
 OUR_DDP = lightning_ddpx.DistributedDataParallel

@@ -138,7 +138,9 @@ def test_a_bare_module_job_ending_on_a_collective_exits_zero_every_time():
             job_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE="2")
             for rank in (0, 1)
         ]
-        jobs = run_jobs([([sys.executable, "-m", "tests.jobs.bare_exit_job"], env) for env in envs], JOB_TIMEOUT_S)
+        jobs = run_jobs(
+            [([sys.executable, "-m", "tests.jobs.bare_exit_job"], env) for env in envs], JOB_TIMEOUT_S
+        )
         failures += [
             f"attempt {attempt} rank {rank}: rc {done.returncode} {done.stderr[-300:]!r}"
             for rank, done in enumerate(jobs)
