@@ -53,11 +53,9 @@ import json
 import math
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -65,6 +63,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `lightni
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import REPO_ROOT, environment_info, format_table, free_port, percentile, write_json  # noqa: E402
+from lightning_ddpx.bench.cleanup import exits_through_python, temporary_directory  # noqa: E402
 from lightning_ddpx.bench.timing import median_interval  # noqa: E402
 
 JOB = os.path.join(REPO_ROOT, "benchmarks", "fault_bench_job.py")
@@ -639,13 +638,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     started = time.monotonic()
     if args.keep:
         os.makedirs(args.keep, exist_ok=True)
-    work = tempfile.mkdtemp(prefix="ddpx-bench-ft-", dir=args.keep)
     sections = set(args.sections.split(","))
     unknown = sections - {"recovery", "heal", "overhead"}
     if unknown:
         parser.error(f"--sections: unknown {sorted(unknown)}; choose from recovery, heal, overhead")
     recovery = heal = overhead = None
-    try:
+    # SIGTERM or SIGHUP unwinds like Ctrl-C: run_processes's `finally` kills the jobs, the block deletes `work`
+    with (
+        exits_through_python(),
+        temporary_directory("ddpx-bench-ft", args.keep, keep=bool(args.keep)) as work,
+    ):
         if "recovery" in sections:
             print(f"1. recovery: {args.repeats} kill(s), each followed by the recipe's restart", flush=True)
             recovery = measure_recovery(args, work)
@@ -655,9 +657,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if "overhead" in sections:
             print(f"3. per-step cost: {args.pairs} pair(s) of runs, {args.overhead_ranks} ranks", flush=True)
             overhead = measure_overhead(args, work)
-    finally:
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
     report(args, recovery, heal, overhead)
     load_after = list(os.getloadavg())
     print(f"\nload average before {environment['loadavg']}, after {load_after}; "
