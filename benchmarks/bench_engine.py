@@ -334,7 +334,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"space- or comma-separated, from {', '.join(MODELS)} (default: %(default)s)",
     )
     parser.add_argument(
-        "--steps", type=int, default=100, help="timed steps per contender (default: %(default)s)"
+        "--steps",
+        type=int,
+        default=750,
+        help="timed steps per contender: 150 rounds of 5, which resolve the ratio to about +-2 %% on a 2-core "
+        "machine at load 1-2 (benchmarks/rounds_needed.py; docs/benchmarks.md) (default: %(default)s)",
     )
     parser.add_argument(
         "--warmup",
