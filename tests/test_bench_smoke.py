@@ -373,3 +373,22 @@ def test_step_phases_benchmark_prints_each_wrappers_extra_time_per_phase() -> No
     rows = [line.split() for line in lines[2:]]
     assert [row[:2] for row in rows] == [["tiny300", "torch"], ["tiny300", "ours"]]
     assert all(len(row) == 7 for row in rows)  # four phases and the total, in microseconds
+
+
+def test_rounds_needed_scales_the_rounds_by_the_square_of_the_width(tmp_path) -> None:
+    from benchmarks.rounds_needed import analyse, rounds_needed
+
+    assert rounds_needed(20, 0.04) == 80  # twice the width asked for: four times the rounds
+    assert rounds_needed(150, 0.02) == 150
+    rng = random.Random(2)
+    torch_s, ours_s = _interleaved_run(40, 5, 0.9, rng)
+    path = tmp_path / "engine.json"
+    results = {
+        "config": {"block": 5},
+        "environment": {"cpu_count": 2, "loadavg": [1.0, 1.0, 1.0], "time": "2026-12-02 00:00:00 +0000"},
+        "models": {"mlp": {"torch_ms": [1e3 * t for t in torch_s], "ours_ms": [1e3 * t for t in ours_s]}},
+    }
+    path.write_text(json.dumps(results))
+    mlp = analyse(str(path))["models"]["mlp"]
+    assert mlp["ratio"] == pytest.approx(vars(ratio_interval(torch_s, ours_s, 5)))  # ms or s: the same ratio
+    assert mlp["rounds_for_2_percent"] == rounds_needed(40, mlp["half_width"])
