@@ -55,16 +55,17 @@ def _raise_system_exit(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def _hold() -> None:
+def _hold() -> bool:
     global _holders, _exiting
     if threading.current_thread() is not threading.main_thread():
-        return  # Python sets handlers on the main thread only; off it, nothing changes
+        return False  # Python sets handlers on the main thread only; off it, nothing changes
     if _holders == 0:
         _exiting = False
         for signum in EXIT_SIGNALS:
             if signal.getsignal(signum) is signal.SIG_DFL:  # a handler the program set itself is kept
                 _previous[signum] = signal.signal(signum, _raise_system_exit)
     _holders += 1
+    return True
 
 
 def _release() -> None:
@@ -94,10 +95,11 @@ def exits_through_python() -> _ExitsThroughPython:
     return _ExitsThroughPython()
 
 
-def hold_exit_handlers() -> None:
+def hold_exit_handlers() -> bool:
     """:func:`exits_through_python` for owners whose life is not one block (an object opened and closed
-    later, such as ``VethLink``); pair every call with :func:`release_exit_handlers`."""
-    _hold()
+    later, such as ``VethLink``). Returns whether it held (not off the main thread); pair every call that
+    did with one :func:`release_exit_handlers`."""
+    return _hold()
 
 
 def release_exit_handlers() -> None:

@@ -148,6 +148,7 @@ class VethLink:
         base = f"10.213.{block >> 6}.{(block & 63) * 4}"
         self.addresses: tuple[str, str] = (_offset(base, 1), _offset(base, 2))
         self._created = False
+        self._holds_handlers = False
 
     # ------------------------------------------------------------------------------- life cycle
     def __enter__(self) -> VethLink:
@@ -159,7 +160,7 @@ class VethLink:
         _LIVE.add(self)
         # SIGTERM and SIGHUP (`timeout`, a CI runner, a closed terminal) exit through Python while the link is
         # open, so the `with` block and the exit handler below delete the namespaces
-        hold_exit_handlers()
+        self._holds_handlers = hold_exit_handlers()
         try:
             self._create()
         except BaseException:  # Ctrl-C or a failing command half-way: leave nothing behind
@@ -183,7 +184,9 @@ class VethLink:
             _run(["ip", "netns", "del", namespace], check=False)
         self._created = False
         _LIVE.discard(self)
-        release_exit_handlers()
+        if self._holds_handlers:
+            release_exit_handlers()
+            self._holds_handlers = False
 
     def _create(self) -> None:
         a, b = self.namespaces
