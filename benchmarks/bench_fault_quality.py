@@ -46,6 +46,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import environment_info  # noqa: E402
 from benchmarks.sweep_diloco import paired  # noqa: E402
 from lightning_ddpx.bench.cleanup import exits_through_python, temporary_directory  # noqa: E402
 from lightning_ddpx.bench.timing import format_table  # noqa: E402
@@ -361,6 +362,7 @@ def main(argv: list[str] | None = None) -> dict:
         "command": " ".join(
             ["python", "benchmarks/bench_fault_quality.py", *(argv if argv is not None else sys.argv[1:])]
         ),
+        "environment": environment_info(),  # machine, load and date, which the docs' figures cite
         "runs": {},
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
