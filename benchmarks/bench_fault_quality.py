@@ -42,12 +42,13 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import environment_info  # noqa: E402
 from benchmarks.sweep_diloco import paired  # noqa: E402
+from lightning_ddpx.bench.cleanup import exits_through_python, temporary_directory  # noqa: E402
 from lightning_ddpx.bench.timing import format_table  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -127,7 +128,7 @@ def run_one(args: argparse.Namespace, seed: int, victim: str | None) -> dict:
         "DDPX_SHARED_MEMORY": "0",
         "PYTHONPATH": os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p),
     }
-    with tempfile.TemporaryDirectory(prefix="ddpx-fault-quality-") as out_dir:
+    with temporary_directory("ddpx-fault-quality") as out_dir:
         command[command.index("OUT_DIR")] = out_dir
         started = time.monotonic()
         with open(os.path.join(out_dir, "launcher.log"), "w+") as output:
@@ -144,6 +145,9 @@ def run_one(args: argparse.Namespace, seed: int, victim: str | None) -> dict:
                     f"seed {seed}, victim {victim}: the run took over {args.timeout:.0f} s (--timeout); its "
                     f"output ends with:\n{output.read()[-3000:]}"
                 ) from None
+            finally:  # stopped by a signal (SystemExit, KeyboardInterrupt): the launcher and its jobs go too
+                if process.poll() is None:
+                    _stop(process)
             output.seek(0)
             text = output.read()
         wall_s = time.monotonic() - started
@@ -342,6 +346,7 @@ def render(saved: dict) -> str:
     return "\n".join(lines)
 
 
+@exits_through_python()  # SIGTERM/SIGHUP unwind like Ctrl-C: the launcher is stopped, the directory deleted
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     saved: dict = {
@@ -357,6 +362,7 @@ def main(argv: list[str] | None = None) -> dict:
         "command": " ".join(
             ["python", "benchmarks/bench_fault_quality.py", *(argv if argv is not None else sys.argv[1:])]
         ),
+        "environment": environment_info(),  # machine, load and date, which the docs' figures cite
         "runs": {},
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -32,8 +32,10 @@ ranks). Every figure is set against today's recipe, measured in the same run:
    :class:`~lightning_ddpx.fault.FaultTolerance`; the median step after ``--warmup`` steps, from rank 0's
    ``perf_counter`` between commits, and the ratio of each pair. Each fault-tolerant run then alternates
    blocks of steps with and without ``ft.step()`` in the same processes (``--interleave ROUNDS:BLOCK``),
-   which cancels the drift between runs (``300:1``, single steps alternating, resolves about one point; blocks
-   of 5 about three). The store's part, timed inside every step: leaving ``ft.step()`` (the vote: two store
+   which cancels the drift between runs; the ratio is the median over the rounds of all fault-tolerant runs
+   with its 95 % interval (``lightning_ddpx.bench.timing.ratio_interval``). The default, ``150:1`` (single
+   steps alternating) over 2 runs, is 300 rounds: the 2026-11-27 runs gave +-1.1 % over 900 such rounds on
+   two processes, so about +-2 % (blocks of 5 resolved about three points). The store's part, timed inside every step: leaving ``ft.step()`` (the vote: two store
    round trips for the member completing it; for the others the wait for it and one read of the decision),
    entering it (the boundary), and one round trip to the launcher's store alone. The goal (<= 1.01) is
    judged on ft.step()'s own time (entering plus the median member's vote, over the plain step), on the
@@ -53,11 +55,9 @@ import json
 import math
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -65,7 +65,8 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `lightni
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import REPO_ROOT, environment_info, format_table, free_port, percentile, write_json  # noqa: E402
-from lightning_ddpx.bench.timing import median_interval  # noqa: E402
+from lightning_ddpx.bench.cleanup import exits_through_python, temporary_directory  # noqa: E402
+from lightning_ddpx.bench.timing import RatioInterval, median_interval, ratio_interval, round_ratios  # noqa: E402
 
 JOB = os.path.join(REPO_ROOT, "benchmarks", "fault_bench_job.py")
 NPROC = 3
@@ -339,6 +340,10 @@ def restart_figures(out_dir: str, launched: float, checkpoint_every: int) -> dic
     }
 
 
+def _as_spread(ratio: RatioInterval) -> dict[str, Any]:
+    return {"median": ratio.median, "ci95": [ratio.low, ratio.high], "rounds": ratio.rounds}
+
+
 def _spread(values: list[float]) -> dict[str, Any]:
     ci95 = list(median_interval(values)) if len(values) >= 6 else None  # too few values for 95 %
     return {"median": median(values), "ci95": ci95, "min": min(values), "max": max(values), "values": values}
@@ -423,13 +428,18 @@ def measure_overhead(args: argparse.Namespace, work: str) -> dict[str, Any]:
             runs.append({"pair": pair, "kind": kind, **overhead_figures(out_dir, kind, args.warmup)})
     step = {kind: [r["step_s"] for r in runs if r["kind"] == kind] for kind in ("plain", "ft")}
     ratios = [ft / plain for ft, plain in zip(step["ft"], step["plain"])]
-    interleaved = [ratio for r in runs if r["kind"] == "ft" for ratio in r["interleaved_ratios"]]
     ft_runs = [r for r in runs if r["kind"] == "ft"]
+    # ft.step()'s cost in the same processes, ft and bare blocks alternating: the benchmarks' one rule for a
+    # ratio and its target (lightning_ddpx.bench.timing.ratio_interval), over the rounds of all ft runs
+    block = ft_runs[0]["interleaved_block"] if ft_runs else 1
+    same = {k: [dt for r in ft_runs for dt in r["interleaved_rounds_s"][k]] for k in ("ft", "bare")}
+    same_ratio = ratio_interval(same["bare"], same["ft"], block) if same["ft"] else None
+    interleaved = round_ratios(same["bare"], same["ft"], block) if same["ft"] else []
     summary = {
         "plain_step_s": median(step["plain"]),
         "ft_step_s": median(step["ft"]),
         "ratio": _spread(ratios),
-        "interleaved_ratio": _spread(interleaved) if interleaved else None,
+        "interleaved_ratio": {**_spread(interleaved), **_as_spread(same_ratio)} if same_ratio else None,
         "interleaved_ft_step_s": median([r["interleaved_step_s"]["ft"] for r in ft_runs]),
         "interleaved_bare_step_s": median([r["interleaved_step_s"]["bare"] for r in ft_runs]),
         "vote_s": median([r["vote_s"] for r in ft_runs]),
@@ -444,7 +454,7 @@ def measure_overhead(args: argparse.Namespace, work: str) -> dict[str, Any]:
     summary["own_code_share"] = (summary["boundary_s"] + summary["vote_s"]) / summary["plain_step_s"]
     summary["own_code_result"] = "PASS" if 1 + summary["own_code_share"] <= GOAL_STEP_RATIO else "MISS"
     if interleaved:
-        summary["interleaved_result"] = "PASS" if median(interleaved) <= GOAL_STEP_RATIO else "MISS"
+        summary["interleaved_result"] = same_ratio.verdict(GOAL_STEP_RATIO)
     return {"runs": runs, "summary": summary}
 
 
@@ -466,9 +476,11 @@ def overhead_figures(out_dir: str, kind: str, warmup: int) -> dict[str, Any]:
         for e in events(first, "interleaved"):
             blocks.setdefault((e["round"], e["kind"]), []).append(e["dt"])
         rounds = sorted({r for r, _ in blocks})
-        figures["interleaved_ratios"] = [
-            median(blocks[(r, "ft")]) / median(blocks[(r, "bare")]) for r in rounds
-        ]
+        # round after round, as ratio_interval reads them (every round holds the same steps of each kind)
+        figures["interleaved_rounds_s"] = {
+            k: [dt for r in rounds for dt in blocks[(r, k)]] for k in ("ft", "bare")
+        }
+        figures["interleaved_block"] = len(blocks[(rounds[0], "ft")]) if rounds else 1
         figures["interleaved_step_s"] = {
             k: median([dt for (_, kk), dts in blocks.items() if kk == k for dt in dts])
             for k in ("ft", "bare")
@@ -573,7 +585,8 @@ def report_overhead(overhead: dict, args: argparse.Namespace) -> None:
              f"{o['interleaved_ratio']['median']:.3f} ({_interval(o['interleaved_ratio'])})"],
         ]  # fmt: skip
     print(format_table(["", "step", "ratio ft / without"], rows))
-    print("   whole runs: median of the pairs' ratios (range); same processes: median of the rounds' ratios")
+    print("   whole runs: median of the pairs' ratios (range); same processes: median of the rounds' ratios "
+          "with its 95 % interval; PASS: the interval's upper end is under the goal")  # fmt: skip
     print(f"   leaving ft.step(), the vote: {ms(o['last_voter_s'])} for the member completing it (2 store round "
           f"trips), {ms(o['vote_s'])} median over members, who also wait for the last and read the decision; "
           f"entering it: {1e6 * o['boundary_s']:.0f} us; one store round trip: "
@@ -589,7 +602,7 @@ def report_overhead(overhead: dict, args: argparse.Namespace) -> None:
 
 
 def _interval(spread: dict[str, Any]) -> str:
-    if spread["ci95"] is None:
+    if spread["ci95"] is None or any(v != v for v in spread["ci95"]):  # too few values for 95 % (nan)
         return f"range {spread['min']:.3f} .. {spread['max']:.3f}"
     return f"95 % CI {spread['ci95'][0]:.3f} .. {spread['ci95'][1]:.3f}"
 
@@ -622,7 +635,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--pairs", type=int, default=2, help="3: pairs of whole runs (recipe, ours)")
     parser.add_argument("--warmup", type=int, default=5, help="3: untimed steps per run")
     parser.add_argument("--steps", type=int, default=40, help="3: timed steps per run")
-    parser.add_argument("--interleave", default="12:5", metavar="ROUNDS:BLOCK", help="3: in-process blocks")
+    parser.add_argument("--interleave", default="150:1", metavar="ROUNDS:BLOCK",
+                        help="3: in-process rounds of blocks, per fault-tolerant run (default: %(default)s)")  # fmt: skip
     parser.add_argument("--overhead-ranks", type=int, default=NPROC,
                         help="3: training processes (2 on this 2-core machine: one core each, as a GPU each)")  # fmt: skip
     parser.add_argument("--sections", default="recovery,heal,overhead",
@@ -639,13 +653,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     started = time.monotonic()
     if args.keep:
         os.makedirs(args.keep, exist_ok=True)
-    work = tempfile.mkdtemp(prefix="ddpx-bench-ft-", dir=args.keep)
     sections = set(args.sections.split(","))
     unknown = sections - {"recovery", "heal", "overhead"}
     if unknown:
         parser.error(f"--sections: unknown {sorted(unknown)}; choose from recovery, heal, overhead")
     recovery = heal = overhead = None
-    try:
+    # SIGTERM or SIGHUP unwinds like Ctrl-C: run_processes's `finally` kills the jobs, the block deletes `work`
+    with (
+        exits_through_python(),
+        temporary_directory("ddpx-bench-ft", args.keep, keep=bool(args.keep)) as work,
+    ):
         if "recovery" in sections:
             print(f"1. recovery: {args.repeats} kill(s), each followed by the recipe's restart", flush=True)
             recovery = measure_recovery(args, work)
@@ -655,9 +672,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if "overhead" in sections:
             print(f"3. per-step cost: {args.pairs} pair(s) of runs, {args.overhead_ranks} ranks", flush=True)
             overhead = measure_overhead(args, work)
-    finally:
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
     report(args, recovery, heal, overhead)
     load_after = list(os.getloadavg())
     print(f"\nload average before {environment['loadavg']}, after {load_after}; "

@@ -33,9 +33,11 @@ from lightning_ddpx.bench.launch import free_port, run_ranks
 from lightning_ddpx.bench.models import MODELS, ModelSpec, build_model
 from lightning_ddpx.bench.timing import (
     PairSummary,
+    RatioInterval,
     format_table,
     interleaved_timing,
     percentile,
+    ratio_interval,
     summarize_pair,
 )
 
@@ -47,6 +49,7 @@ __all__ = [
     "TARGET_RATIOS",
     "ModelSpec",
     "PairSummary",
+    "RatioInterval",
     "build_model",
     "environment_info",
     "format_table",
@@ -59,6 +62,7 @@ __all__ = [
     "model_names",
     "parameter_summary",
     "percentile",
+    "ratio_interval",
     "summarize_pair",
     "verdict",
     "write_json",
@@ -160,7 +164,8 @@ def verdict(ratio: float, target: float | None) -> str:
 
 # ------------------------------------------------------------------------------------------------ reporting
 def environment_info() -> dict[str, Any]:
-    """What a reader needs to judge a result: versions, CPU count, load, and the git commit measured."""
+    """What a reader needs to judge and repeat a result: the command, versions, CPU count, load, the date and
+    the git commit measured."""
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
@@ -172,6 +177,7 @@ def environment_info() -> dict[str, Any]:
     except OSError:
         load = []
     return {
+        "command": _command(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -181,6 +187,15 @@ def environment_info() -> dict[str, Any]:
         "time": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),  # malloc settings change CPU-side step times
     }
+
+
+def _command() -> str:
+    """The command line that started this process, as a reader would type it to measure again: the script's
+    path relative to the repository (``python benchmarks/bench_engine.py --models mlp``)."""
+    script = sys.argv[0] if sys.argv and sys.argv[0] else "-c"
+    if os.path.isfile(script):
+        script = os.path.relpath(os.path.abspath(script), REPO_ROOT)
+    return " ".join(["python", script, *sys.argv[1:]])
 
 
 def model_names(parser: argparse.ArgumentParser, given: str | Iterable[str]) -> list[str]:

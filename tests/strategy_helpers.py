@@ -1,4 +1,4 @@
-"""Models and per-rank runners shared by the strategy tests (tests/test_strategy_*.py).
+"""Models and per-rank runners shared by the strategy tests (tests/lightning/test_strategy_*.py).
 
 Each rank is a process started by :func:`tests.dist_utils.run_distributed` with ``init_process_group=False``:
 it finds MASTER_ADDR/MASTER_PORT/RANK/LOCAL_RANK/WORLD_SIZE in its environment, so Lightning picks its

@@ -23,11 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import sys
 import time
 from typing import Any
 
+from lightning_ddpx.bench.cleanup import exits_through_python
 from lightning_ddpx.bench.contenders import START_POWERSGD_ITER, contenders_named
 from lightning_ddpx.bench.convergence_cli import (
     add_convergence_arguments,
@@ -112,11 +111,11 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+# SIGTERM (kill, a job scheduler) unwinds like Ctrl-C, so the ranks are stopped and --link's network namespaces
+# are removed instead of left behind.
+@exits_through_python()
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    # SIGTERM (kill, a job scheduler) unwinds like Ctrl-C, so the ranks are stopped and --link's network
-    # namespaces are removed instead of left behind.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if args.convergence:
         return convergence_main(args)
     accuracy = load_accuracy_verdicts(args.accuracy_from) if args.accuracy_from else None

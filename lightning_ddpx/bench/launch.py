@@ -19,9 +19,10 @@ import random
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any, Iterator
+
+from lightning_ddpx.bench.cleanup import exits_through_python, temporary_directory
 
 __all__ = ["free_port", "run_ranks", "write_result"]
 
@@ -33,8 +34,10 @@ def run_ranks(
     results (each rank's ``rank<N>.json``), by rank.
 
     Rank 0's output (progress) goes to this terminal; a failing rank's stderr is raised in the error.
+    Stopped by SIGTERM, SIGHUP or Ctrl-C, it stops the ranks and deletes its directory and network namespaces
+    first (:mod:`lightning_ddpx.bench.cleanup`).
     """
-    with tempfile.TemporaryDirectory(prefix="ddpx-bench-") as directory:
+    with exits_through_python(), temporary_directory("ddpx-bench") as directory:
         os.chmod(directory, 0o755)
         config_path = os.path.join(directory, "config.json")
         with open(config_path, "w") as f:

@@ -21,11 +21,11 @@ import itertools
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import threading
 from types import TracebackType
+
+from lightning_ddpx.bench.cleanup import hold_exit_handlers, pid_alive, release_exit_handlers
 
 __all__ = ["VethLink", "netns_unavailable_reason", "remove_stale_namespaces", "parse_rate"]
 
@@ -47,9 +47,6 @@ _RATE_UNITS = {  # tc's rate units (SI prefixes; "bps" is *bytes* per second, as
 }
 _COUNTER = itertools.count()
 _LIVE: set[VethLink] = set()  # open links, deleted at interpreter exit if the caller never closed them
-# SIGTERM's and SIGHUP's handlers before a link made them exit through Python (restored with the last link)
-_PREVIOUS_HANDLERS: dict[int, object] = {}
-_EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 def parse_rate(rate: str) -> float:
@@ -103,16 +100,6 @@ def netns_unavailable_reason() -> str | None:
     return None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_namespaces(prefix: str = "ddpx") -> list[str]:
     """Delete namespaces ``<prefix>-<pid>-...`` whose creating process is gone (a crashed earlier run).
 
@@ -125,7 +112,7 @@ def remove_stale_namespaces(prefix: str = "ddpx") -> list[str]:
     for line in listing.splitlines():
         name = line.split()[0] if line.split() else ""
         match = pattern.fullmatch(name)
-        if match and not _pid_alive(int(match.group(1))):
+        if match and not pid_alive(int(match.group(1))):
             _run(["ip", "netns", "del", name], check=False)
             removed.append(name)
     return removed
@@ -161,6 +148,7 @@ class VethLink:
         base = f"10.213.{block >> 6}.{(block & 63) * 4}"
         self.addresses: tuple[str, str] = (_offset(base, 1), _offset(base, 2))
         self._created = False
+        self._holds_handlers = False
 
     # ------------------------------------------------------------------------------- life cycle
     def __enter__(self) -> VethLink:
@@ -170,7 +158,9 @@ class VethLink:
         remove_stale_namespaces(self.prefix)
         self._created = True
         _LIVE.add(self)
-        _exit_through_python_on_signals()
+        # SIGTERM and SIGHUP (`timeout`, a CI runner, a closed terminal) exit through Python while the link is
+        # open, so the `with` block and the exit handler below delete the namespaces
+        self._holds_handlers = hold_exit_handlers()
         try:
             self._create()
         except BaseException:  # Ctrl-C or a failing command half-way: leave nothing behind
@@ -194,8 +184,9 @@ class VethLink:
             _run(["ip", "netns", "del", namespace], check=False)
         self._created = False
         _LIVE.discard(self)
-        if not _LIVE:
-            _restore_signal_handlers()
+        if self._holds_handlers:
+            release_exit_handlers()
+            self._holds_handlers = False
 
     def _create(self) -> None:
         a, b = self.namespaces
@@ -276,28 +267,3 @@ def _close_live_links() -> None:
     """Delete links a caller forgot to close (their namespaces would outlive the process otherwise)."""
     for link in list(_LIVE):
         link.close()
-
-
-def _exit_through_python_on_signals() -> None:
-    """While a link is open, SIGTERM and SIGHUP (``timeout``, a CI runner, a closed terminal) raise
-    ``SystemExit`` instead of ending the process at once, so that ``with VethLink(...)`` blocks and the
-    exit handler above delete the namespaces. A handler the program set itself is kept; off the main
-    thread (where Python cannot set handlers) nothing changes."""
-    if _PREVIOUS_HANDLERS or threading.current_thread() is not threading.main_thread():
-        return
-    for signum in _EXIT_SIGNALS:
-        if signal.getsignal(signum) is signal.SIG_DFL:
-            _PREVIOUS_HANDLERS[signum] = signal.signal(signum, _raise_system_exit)
-
-
-def _raise_system_exit(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
-def _restore_signal_handlers() -> None:
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for signum, handler in _PREVIOUS_HANDLERS.items():
-        if signal.getsignal(signum) is _raise_system_exit:
-            signal.signal(signum, handler)  # type: ignore[arg-type]
-    _PREVIOUS_HANDLERS.clear()

@@ -15,10 +15,13 @@ from typing import Any
 
 __all__ = [
     "PairSummary",
+    "RatioInterval",
     "format_table",
     "interleaved_timing",
     "median_interval",
     "percentile",
+    "ratio_interval",
+    "round_ratios",
     "rotated",
     "summarize_pair",
 ]
@@ -194,6 +197,76 @@ def median_interval(values: Sequence[float], z: float = 1.96) -> tuple[float, fl
     ordered = sorted(values)
     k = max(1, math.floor(n / 2 - z * math.sqrt(n) / 2))  # 1-based
     return ordered[k - 1], ordered[n - k]
+
+
+@dataclass(frozen=True)
+class RatioInterval:
+    """The ratio candidate/baseline of interleaved runs: the median over rounds and its 95 % interval.
+
+    ``median`` is the median of the per-round ratios (:func:`round_ratios`); ``low``-``high`` its 95 %
+    interval (:func:`ratio_interval`, nan with fewer than 6 rounds); ``rounds`` how many rounds it rests on.
+    """
+
+    median: float
+    low: float
+    high: float
+    rounds: int
+
+    @property
+    def half_width(self) -> float:
+        """Half the interval's width relative to the median (0.02: the ratio is known to +-2 %)."""
+        return (self.high - self.low) / 2 / self.median
+
+    def verdict(self, target: float | None) -> str:
+        """``PASS`` when the interval's upper end is under ``target`` (the ratio is below it with 95 %
+        confidence), ``MISS`` when its lower end is at or above it, ``UNRESOLVED`` when the interval holds
+        the target (more rounds would decide); ``-`` without a target."""
+        if target is None:
+            return "-"
+        if self.high < target:
+            return "PASS"
+        if self.low >= target:
+            return "MISS"
+        return "UNRESOLVED"
+
+    def __str__(self) -> str:
+        return f"{self.median:.3f} [95 % {self.low:.3f}-{self.high:.3f}, {self.rounds} rounds]"
+
+
+def round_ratios(baseline_s: Sequence[float], candidate_s: Sequence[float], block: int) -> list[float]:
+    """Per interleaved round (``block`` consecutive steps of each contender, from :func:`interleaved_timing`),
+    the candidate's time over the baseline's: the sum of its steps in the round over the baseline's."""
+    if len(baseline_s) != len(candidate_s) or not baseline_s or block < 1:
+        raise ValueError(
+            f"need two equally long non-empty lists and block >= 1, got {len(baseline_s)} and "
+            f"{len(candidate_s)} steps, block={block}"
+        )
+    starts = range(0, len(baseline_s), block)
+    return [sum(candidate_s[i : i + block]) / sum(baseline_s[i : i + block]) for i in starts]
+
+
+def ratio_interval(baseline_s: Sequence[float], candidate_s: Sequence[float], block: int) -> RatioInterval:
+    """The ratio candidate/baseline of round-aligned step times (seconds, from :func:`interleaved_timing`
+    with ``block``), with a 95 % interval: the one rule every benchmark comparing ours with torch follows.
+
+    Why rounds, not steps: steps inside one round run back to back under the same conditions (another job
+    on the core, the CPU's clock), so they are not independent samples; an interval over n steps would claim
+    ``sqrt(block)`` times more precision than the run has. Rounds alternate the contenders, so each round's
+    ratio compares the two under the same conditions, and rounds are the units that vary independently.
+
+    Why the median with the sign test's interval (:func:`median_interval`) rather than a t-interval on
+    log-ratios or a bootstrap: on a shared machine a few rounds are hit by another job and their ratio lands
+    far out; the median and the sign test's interval assume nothing about the shape of the distribution and
+    move by at most one rank per such round, where a mean and its t-interval follow it. Its price is a
+    somewhat wider interval for the same rounds when the machine is quiet.
+
+    What it cannot see: a difference that is fixed for a whole process (where the allocator placed the
+    buffers, which core each rank got) is the same in every round of the run; re-run the benchmark to see
+    that spread.
+    """
+    ratios = round_ratios(baseline_s, candidate_s, block)
+    low, high = median_interval(ratios)
+    return RatioInterval(median=percentile(ratios, 50), low=low, high=high, rounds=len(ratios))
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

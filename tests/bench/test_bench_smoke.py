@@ -7,8 +7,10 @@ a typo in a code path only they use would go unnoticed until the day someone nee
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
+import random
 import subprocess
 import sys
 
@@ -24,7 +26,7 @@ from benchmarks.common import (
     summarize_pair,
     verdict,
 )
-from lightning_ddpx.bench.timing import median_interval, rotated
+from lightning_ddpx.bench.timing import RatioInterval, median_interval, ratio_interval, rotated, round_ratios
 from tests.dist_utils import run_job
 
 
@@ -65,6 +67,74 @@ def test_median_interval_is_the_sign_test_interval_and_covers_the_median() -> No
     summary = summarize_pair([1.0] * 50, [1.0 + 0.01 * k for k in range(50)])  # ratios 1.00 .. 1.49
     assert summary.ratio_ci_low < summary.ratio < summary.ratio_ci_high
     assert (summary.ratio_ci_low, summary.ratio_ci_high) == pytest.approx((1.17, 1.32))
+
+
+def _interleaved_run(rounds: int, block: int, ratio: float, rng: random.Random) -> tuple[list, list]:
+    """Synthetic step times as interleaved_timing lists them: the machine's speed drifts from round to round
+    (shared by both contenders within a round, as interleaving intends), every step has its own noise, and
+    now and then (5 % of rounds) one contender's side of a round is hit by another job and takes 3x."""
+    baseline, candidate = [], []
+    for _ in range(rounds):
+        speed = math.exp(rng.gauss(0, 0.3))
+        hit = rng.random()
+        slow_base, slow_cand = (3.0 if hit < 0.025 else 1.0), (3.0 if 0.025 <= hit < 0.05 else 1.0)
+        baseline += [0.01 * speed * slow_base * math.exp(rng.gauss(0, 0.05)) for _ in range(block)]
+        candidate += [0.01 * ratio * speed * slow_cand * math.exp(rng.gauss(0, 0.05)) for _ in range(block)]
+    return baseline, candidate
+
+
+def test_round_ratios_compare_the_sums_of_each_round() -> None:
+    assert round_ratios([1.0, 1.0, 2.0, 2.0, 4.0], [2.0, 2.0, 2.0, 2.0, 2.0], 2) == [2.0, 1.0, 0.5]
+    with pytest.raises(ValueError, match="block"):
+        round_ratios([1.0], [1.0], 0)
+    with pytest.raises(ValueError):
+        round_ratios([1.0], [1.0, 2.0], 1)
+
+
+def test_ratio_interval_covers_the_true_ratio_and_narrows_with_rounds() -> None:
+    rng = random.Random(0)
+    true_ratio = 1.05  # the median round's ratio (hits fall on either side alike)
+    covered, widths = 0, {}
+    for rounds in (40, 160, 640):
+        runs = [ratio_interval(*_interleaved_run(rounds, 5, true_ratio, rng), block=5) for _ in range(100)]
+        assert all(r.rounds == rounds for r in runs)
+        covered += sum(r.low <= true_ratio <= r.high for r in runs)
+        widths[rounds] = sorted(r.half_width for r in runs)[50]
+    assert covered >= 0.92 * 300, covered  # a 95 % interval (the sign test's is slightly conservative)
+    # the width goes as 1/sqrt(rounds): four times the rounds, half the width
+    assert widths[160] == pytest.approx(widths[40] / 2, rel=0.25)
+    assert widths[640] == pytest.approx(widths[160] / 2, rel=0.25)
+    assert widths[640] < 0.01  # per-step noise of 5 %: 640 rounds of 5 steps resolve the ratio to +-1 %
+
+
+def test_ratio_interval_treats_a_round_not_a_step_as_one_sample() -> None:
+    """Steps of one round share that round's conditions: 50 rounds of 20 steps resolve the ratio no better
+    than 50 rounds of 1, because what varies independently is the round."""
+    rng = random.Random(1)
+
+    def run(block: int) -> tuple[list, list]:
+        baseline, candidate = [], []
+        for _ in range(50):
+            speed, side = math.exp(rng.gauss(0, 0.3)), math.exp(rng.gauss(0, 0.05))  # a round's drift
+            baseline += [0.01 * speed] * block
+            candidate += [0.01 * speed * side] * block
+        return baseline, candidate
+
+    long_blocks = sorted(ratio_interval(*run(20), block=20).half_width for _ in range(40))[20]
+    short_blocks = sorted(ratio_interval(*run(1), block=1).half_width for _ in range(40))[20]
+    assert long_blocks == pytest.approx(short_blocks, rel=0.3)
+    assert ratio_interval(*run(20), block=20).rounds == 50
+
+
+def test_a_target_is_met_when_the_intervals_upper_end_is_under_it() -> None:
+    assert RatioInterval(median=1.00, low=0.98, high=1.005, rounds=60).verdict(1.01) == "PASS"
+    assert RatioInterval(median=1.00, low=0.98, high=1.02, rounds=60).verdict(1.01) == "UNRESOLVED"
+    assert RatioInterval(median=0.99, low=0.97, high=1.01, rounds=60).verdict(1.01) == "UNRESOLVED"
+    assert RatioInterval(median=1.05, low=1.01, high=1.08, rounds=60).verdict(1.01) == "MISS"
+    assert RatioInterval(median=3.00, low=2.0, high=4.0, rounds=60).verdict(None) == "-"
+    nan = float("nan")
+    assert RatioInterval(median=0.90, low=nan, high=nan, rounds=3).verdict(1.01) == "UNRESOLVED"  # too few
+    assert RatioInterval(median=1.0, low=0.98, high=1.02, rounds=60).half_width == pytest.approx(0.02)
 
 
 def test_interleaved_timing_also_records_cpu_time_per_step() -> None:
@@ -303,3 +373,22 @@ def test_step_phases_benchmark_prints_each_wrappers_extra_time_per_phase() -> No
     rows = [line.split() for line in lines[2:]]
     assert [row[:2] for row in rows] == [["tiny300", "torch"], ["tiny300", "ours"]]
     assert all(len(row) == 7 for row in rows)  # four phases and the total, in microseconds
+
+
+def test_rounds_needed_scales_the_rounds_by_the_square_of_the_width(tmp_path) -> None:
+    from benchmarks.rounds_needed import analyse, rounds_needed
+
+    assert rounds_needed(20, 0.04) == 80  # twice the width asked for: four times the rounds
+    assert rounds_needed(150, 0.02) == 150
+    rng = random.Random(2)
+    torch_s, ours_s = _interleaved_run(40, 5, 0.9, rng)
+    path = tmp_path / "engine.json"
+    results = {
+        "config": {"block": 5},
+        "environment": {"cpu_count": 2, "loadavg": [1.0, 1.0, 1.0], "time": "2026-12-02 00:00:00 +0000"},
+        "models": {"mlp": {"torch_ms": [1e3 * t for t in torch_s], "ours_ms": [1e3 * t for t in ours_s]}},
+    }
+    path.write_text(json.dumps(results))
+    mlp = analyse(str(path))["models"]["mlp"]
+    assert mlp["ratio"] == pytest.approx(vars(ratio_interval(torch_s, ours_s, 5)))  # ms or s: the same ratio
+    assert mlp["rounds_for_2_percent"] == rounds_needed(40, mlp["half_width"])

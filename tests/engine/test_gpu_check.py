@@ -67,6 +67,7 @@ def test_the_summary_tables_peak_memory_column_gives_ours_then_torchs_as_its_hea
 
     result = {
         "summary": {"baseline_ms": 10.0, "candidate_ms": 10.5, "ratio": 1.05},
+        "ratio": {"median": 1.05, "low": 1.01, "high": 1.09, "rounds": 40},
         "cpu_summary": {"baseline_ms": 9.0, "candidate_ms": 9.5, "ratio": 1.06},
         "before": {"ours_vs_before": {"ratio": 0.9}},
         "target_ratio": None,
@@ -83,3 +84,4 @@ def test_the_summary_tables_peak_memory_column_gives_ours_then_torchs_as_its_hea
     assert (cells["torch ms"], cells["ours ms"]) == ("10.0", "10.5")
     assert cells["CPU ms/step torch / ours"] == "9.00 / 9.50"
     assert cells["ours/before"] == "0.900"
+    assert cells["ratio (95 %)"] == "1.050 (1.010-1.090)"  # the headline: ratio_interval, as bench_engine
