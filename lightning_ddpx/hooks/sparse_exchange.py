@@ -73,7 +73,7 @@ class SparseOptions:
                 f"SparseLoCo uses 0.01-0.03), got {self.density!r}."
             )
         object.__setattr__(self, "density", float(self.density))
-        check_int("diloco option sparse", "bits", self.bits, 2)
+        check_int("diloco option sparse", "bits", self.bits)
         if self.bits not in SPARSE_BITS:
             raise ValueError(
                 f"diloco option sparse.bits must be one of {list(SPARSE_BITS)}, got {self.bits!r}."
