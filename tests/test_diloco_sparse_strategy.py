@@ -26,7 +26,7 @@ from torch.utils.data import DistributedSampler
 from tests.dist_utils import REPO_ROOT, run_distributed
 from tests.oracle import assert_same_tensors
 from tests.strategy_helpers import BATCH_SIZE, dataset, fit, parameters_of, quiet
-from tests.test_diloco_strategy import EPOCH_STEPS, AdamRegressor, Recorder, by_hand, strategy
+from tests.test_diloco_strategy import AdamRegressor, Recorder, by_hand, strategy
 
 pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
@@ -123,9 +123,7 @@ def test_trainer_resume_is_bit_identical_and_the_checkpoint_holds_every_ranks_er
     assert set(entry["shared"]["in_flight"]) == {1}  # fragment 1, sent at step 8
     errors = [part["errors"] for part in entry["per_rank"]]
     assert [e.shape for e in errors[0]] == [p.shape for p in AdamRegressor().parameters()]
-    assert all(e.abs().max() > 0 for e in errors[0]) and any(
-        not torch.equal(a, b) for a, b in zip(*errors)
-    )
+    assert all(e.abs().max() > 0 for e in errors[0]) and any(not torch.equal(a, b) for a, b in zip(*errors))
 
 
 def test_replicas_are_bit_identical_after_every_outer_step(trainer_results):
