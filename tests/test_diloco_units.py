@@ -200,6 +200,38 @@ def test_bench_has_both_diloco_contenders_and_counts_their_exchanges() -> None:
     assert _parameter_exchange_bytes(None, 999) == 0.0
 
 
+def test_bench_has_a_sparse_diloco_contender_and_counts_what_it_receives() -> None:
+    from lightning_ddpx.bench.convergence import convergence_contenders_named, summarize_runs
+    from lightning_ddpx.bench.convergence_worker import _parameter_exchange
+    from lightning_ddpx.hooks.diloco import OuterSync
+
+    (sparse,) = convergence_contenders_named(["sparse-diloco"])
+    assert DDPXConfig(**sparse.strategy).diloco.sparse.density == 0.02 and sparse.steps_factor == 3
+    state = DiLoCoState()
+    state._new_syncs = [OuterSync(20, 0, 100, 300)]  # an all-gather on 4 ranks: 3 payloads received
+    assert _parameter_exchange(state, 999) == (100.0, 300.0)
+    averager = SimpleNamespace(step=15, warmup_steps=10, period=4)
+    assert _parameter_exchange(SimpleNamespace(averager=averager), 999) == (999.0, 999.0)
+    val = [{"step": 2, "time_s": 1.0, "metric": 0.5, "val_loss": 1.0}]
+    runs = {
+        "torch-ddp": {
+            "time_s": [0.1, 0.2],
+            "bytes_sent": [1000.0] * 2,
+            "bytes_received": [1000.0] * 2,
+            "val": val,
+        },
+        "sparse-diloco": {
+            "time_s": [0.1, 0.2],
+            "bytes_sent": [0.0, 10.0],
+            "bytes_received": [0.0, 40.0],
+            "val": val,
+        },
+    }
+    ddp, row = summarize_runs(convergence_contenders_named(["torch-ddp", "sparse-diloco"]), runs, None)
+    assert (row.bytes_vs_torch, row.received_vs_torch) == (200.0, 50.0)
+    assert (ddp.bytes_vs_torch, ddp.received_vs_torch) == (1.0, 1.0)
+
+
 def test_bench_table_reports_bytes_saved_and_recommends_against_torch_ddp_alone() -> None:
     """On the slow link only torch's DDP may be run as the lossless reference: the recommendation still
     considers DiLoCo, and the table says how many times fewer bytes each contender sent."""
