@@ -204,8 +204,8 @@ def table(rows: list[dict]) -> str:
     lines = [
         "| task | steps | val. every | validated | setting | seeds | val_loss (torch's DDP) | vs DDP: ratio of "
         "means ± SE (95 % CI) | per-seed diff.: mean ± SE | window mean (torch's DDP) | window: ratio ± SE "
-        "(95 % CI) | x fewer |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "(95 % CI) | x fewer sent | x fewer received |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key in sorted(groups, key=sort_key):
         task, steps, every, evaluate, setting = key
@@ -243,6 +243,8 @@ def table(rows: list[dict]) -> str:
         else:
             cells += ["", ""]
         fewer = [r["bytes_vs_ddp"] for _, r, _ in pairs if r.get("bytes_vs_ddp")]
+        cells.append(f"{sum(fewer) / len(fewer):.0f}" if fewer else "")
+        fewer = [r["received_vs_ddp"] for _, r, _ in pairs if r.get("received_vs_ddp")]
         cells.append(f"{sum(fewer) / len(fewer):.0f}" if fewer else "")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
