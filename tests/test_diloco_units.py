@@ -206,7 +206,7 @@ def test_bench_has_a_sparse_diloco_contender_and_counts_what_it_receives() -> No
     from lightning_ddpx.hooks.diloco import OuterSync
 
     (sparse,) = convergence_contenders_named(["sparse-diloco"])
-    assert DDPXConfig(**sparse.strategy).diloco.sparse.density == 0.02 and sparse.steps_factor == 3
+    assert DDPXConfig(**sparse.strategy).diloco.sparse.density == 0.04 and sparse.steps_factor == 3
     state = DiLoCoState()
     state._new_syncs = [OuterSync(20, 0, 100, 300)]  # an all-gather on 4 ranks: 3 payloads received
     assert _parameter_exchange(state, 999) == (100.0, 300.0)

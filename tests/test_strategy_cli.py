@@ -118,7 +118,7 @@ def test_every_shipped_config_builds_its_strategy(config, cli_train, monkeypatch
         assert (o.period, o.fragments, o.overlap_steps, o.precision, o.nesterov) == (20, 2, 1, "int4", True)
     if config.stem == "sparseloco":
         sparse = strategy.diloco.sparse
-        assert (sparse.density, sparse.bits, sparse.chunk, sparse.error_decay) == (0.02, 2, 4096, 0.999)
+        assert (sparse.density, sparse.bits, sparse.chunk, sparse.error_decay) == (0.04, 2, 4096, 0.999)
 
 
 @pytest.mark.slow
