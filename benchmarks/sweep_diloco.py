@@ -58,6 +58,7 @@ def run_one(
         record = run_ranks(config, None, 1800.0, worker="lightning_ddpx.bench.convergence_worker")[0]
     val = record["val"]
     sent = [b for b in record["bytes_sent"] if b is not None]
+    received = [b for b in record.get("bytes_received", []) if b is not None]
     return {
         "task": task,
         "setting": setting if setting is not None else "torch-ddp",
@@ -69,6 +70,12 @@ def run_one(
         "final_val_acc": sum(v["metric"] for v in val[-2:]) / len(val[-2:]),
         "bytes_per_step": sum(sent) / len(sent),
         "bytes_vs_ddp": record["gradient_bytes"] / (sum(sent) / len(sent)) if sum(sent) else None,
+        # received: an all-reduce's result (the payload's size); the sparse exchange's all-gather, every
+        # other rank's payload. torch's DDP receives what it sends.
+        "bytes_received_per_step": sum(received) / len(received) if received else None,
+        "received_vs_ddp": record["gradient_bytes"] / (sum(received) / len(received))
+        if sum(received)
+        else None,
         "curve": [(v["step"], round(v["val_loss"], 4), round(v["metric"], 4)) for v in val],
         "wall_s": time.monotonic() - started,
         "loadavg_1min": record["loadavg_1min"],
@@ -90,7 +97,20 @@ def label(setting: dict) -> str:
     parts += [f"lr={s['outer_lr']}", f"mom={s['outer_momentum']}"]
     if not s["nesterov"]:
         parts.append("nesterov=False")
-    if s["precision"] != "bf16":
+    sparse = s.get("sparse")
+    if sparse:
+        sparse = {
+            "density": 0.02,
+            "bits": 2,
+            "chunk": 4096,
+            "error_decay": 0.999,
+            **(sparse if isinstance(sparse, dict) else {}),
+        }
+        parts.append(
+            f"sparse {100 * sparse['density']:g} % x {sparse['bits']} bits/{sparse['chunk']}, "
+            f"decay {sparse['error_decay']}"
+        )
+    elif s["precision"] != "bf16":
         parts.append(s["precision"])
     return ", ".join(parts)
 
@@ -184,8 +204,8 @@ def table(rows: list[dict]) -> str:
     lines = [
         "| task | steps | val. every | validated | setting | seeds | val_loss (torch's DDP) | vs DDP: ratio of "
         "means ± SE (95 % CI) | per-seed diff.: mean ± SE | window mean (torch's DDP) | window: ratio ± SE "
-        "(95 % CI) | x fewer |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "(95 % CI) | x fewer sent | x fewer received |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key in sorted(groups, key=sort_key):
         task, steps, every, evaluate, setting = key
@@ -223,6 +243,8 @@ def table(rows: list[dict]) -> str:
         else:
             cells += ["", ""]
         fewer = [r["bytes_vs_ddp"] for _, r, _ in pairs if r.get("bytes_vs_ddp")]
+        cells.append(f"{sum(fewer) / len(fewer):.0f}" if fewer else "")
+        fewer = [r["received_vs_ddp"] for _, r, _ in pairs if r.get("received_vs_ddp")]
         cells.append(f"{sum(fewer) / len(fewer):.0f}" if fewer else "")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

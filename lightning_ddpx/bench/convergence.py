@@ -101,6 +101,19 @@ STREAMING_DILOCO = {
     "outer_momentum": 0.3,
     "precision": "int4",
 }
+# Sparse (SparseLoCo): each exchange sends the top 4 % of every 4096-element chunk of each tensor (its change
+# plus the error buffer of what was not sent before), 2 bits a value and 12 a position, about 1100x fewer
+# bytes per step than DDP; the rest stays in the error buffer. The outer step is plain SGD at lr 1 (the error
+# buffer carries what momentum would): on pydoc-lm it beat Nesterov momentum 0.3 at lr 0.7, and 4 % every 20
+# steps beat 2 % every 10 and 1 % every 5 at about the same bytes (docs/convergence.md, "The sparse exchange").
+# Every rank receives the other ranks' payloads (an all-gather).
+SPARSE_DILOCO = {
+    "period": 20,
+    "outer_lr": 1.0,
+    "outer_momentum": 0.0,
+    "nesterov": False,
+    "sparse": {"density": 0.04, "bits": 2, "chunk": 4096, "error_decay": 0.999},
+}
 # Its steps send (almost) nothing, so they are several times cheaper on a slow link: it runs 3x the steps,
 # so that time to target is measured, and is judged for accuracy and loss at the reference's step count.
 DILOCO_STEPS_FACTOR = 3
@@ -126,6 +139,15 @@ def _diloco() -> tuple[ConvergenceContender, ...]:
             {"comm_hook": "diloco", "diloco": dict(STREAMING_DILOCO)},
             lossy=True,
             note="2 fragments staggered over 20 steps, each overlapped with one step, outer momentum 0.3, int4; "
+            "3x the steps",
+            steps_factor=DILOCO_STEPS_FACTOR,
+        ),
+        ConvergenceContender(
+            "sparse-diloco",
+            {"comm_hook": "diloco", "diloco": dict(SPARSE_DILOCO)},
+            lossy=True,
+            note=f"DiLoCo every {SPARSE_DILOCO['period']}, each chunk's top 4 % in 2 bits, error feedback, "
+            "outer SGD lr 1; "
             "3x the steps",
             steps_factor=DILOCO_STEPS_FACTOR,
         ),
@@ -198,6 +220,10 @@ class ConvergenceRow:
     final_val_loss: float | None = None  # mean of the last two validations' val_loss, where logged
     bytes_vs_torch: float | None = None  # torch-ddp's mean bytes per step / this contender's (x fewer)
     bytes_to_target: float | None = None  # bytes sent until the validation that first reached the target
+    # mean bytes per step that reached this rank: an all-reduce's result (what it sends); the sparse
+    # exchange's all-gather, every other rank's payload
+    bytes_received_per_step: float | None = None
+    received_vs_torch: float | None = None  # torch-ddp's mean bytes per step / this contender's received
 
 
 def _final(curve: list[dict[str, Any]]) -> float | None:
@@ -261,6 +287,7 @@ def summarize_runs(
         times = run["time_s"]
         steps_ms = sorted(1e3 * (b - a) for a, b in zip(times, times[1:])) or [1e3 * times[0]]
         sent = [b for b in run["bytes_sent"] if b is not None and math.isfinite(b)]
+        received = [b for b in run.get("bytes_received", []) if b is not None and math.isfinite(b)]
         # a contender given more steps (steps_factor) is judged at the reference's number of steps
         equal = [v for v in run["val"] if equal_steps is None or v["step"] <= equal_steps]
         final = _final(equal)
@@ -284,6 +311,7 @@ def summarize_runs(
                 note=c.note,
                 final_val_loss=_final_loss(equal),
                 bytes_to_target=None if reached is None else _bytes_until(run, reached["step"]),
+                bytes_received_per_step=sum(received) / len(received) if received else None,
                 extra={"final_at_end": _final(run["val"]), "val_loss_at_end": _final_loss(run["val"])},
             )
         )
@@ -294,6 +322,8 @@ def summarize_runs(
             row.vs_torch = row.time_to_target_s / torch_time
         if torch_bytes and row.bytes_per_step:
             row.bytes_vs_torch = torch_bytes / row.bytes_per_step
+        if torch_bytes and row.bytes_received_per_step:
+            row.received_vs_torch = torch_bytes / row.bytes_received_per_step
     return rows
 
 

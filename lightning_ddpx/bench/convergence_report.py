@@ -23,6 +23,7 @@ _COLOURS = {  # fixed per contender, so the panels and the figures of both tasks
     "post-local-sgd": "#ff7f0e",
     "diloco": "#17becf",
     "streaming-diloco": "#e377c2",
+    "sparse-diloco": "#bcbd22",
 }
 
 
@@ -41,6 +42,7 @@ def render_convergence_table(rows: list[ConvergenceRow], metric: str, target: fl
             opt(None if r.bytes_per_step is None else r.bytes_per_step / 1e6, ".3f"),
             opt(None if r.bytes_per_step_median is None else r.bytes_per_step_median / 1e6, ".3f"),
             opt(r.bytes_vs_torch, ".1f"),
+            opt(r.received_vs_torch, ".1f"),
             opt(None if r.bytes_to_target is None else r.bytes_to_target / 1e6, ".0f"),
             opt(r.final_val_loss, ".4f"),
         ]
@@ -57,6 +59,7 @@ def render_convergence_table(rows: list[ConvergenceRow], metric: str, target: fl
         "MB/step mean",
         "median",
         "x fewer B/step",
+        "x fewer recv.",
         "MB to target",
         "final val_loss",
     ]

@@ -50,7 +50,9 @@ def _call(path: str, option: str) -> Any:
 
 
 class CurveRecorder(Callback):
-    """Per step: training wall time (validation excluded), train loss, bytes sent; per validation: metric.
+    """Per step: training wall time (validation excluded), train loss, bytes sent and received; per
+    validation: metric. An all-reduce receives what it sends (its result: the payload's size); DiLoCo's
+    sparse exchange, an all-gather, receives every other rank's payload.
 
     Wall time starts at the first training batch, so process start-up and the Trainer's set-up are not
     counted; the time validation takes is subtracted, so the curves compare training only.
@@ -65,6 +67,7 @@ class CurveRecorder(Callback):
         self.time_s: list[float] = []
         self.train_loss: list[float | None] = []
         self.bytes_sent: list[float | None] = []
+        self.bytes_received: list[float | None] = []
         self.val: list[dict[str, Any]] = []
         self._start: float | None = None
         self._val_started = 0.0
@@ -86,13 +89,15 @@ class CurveRecorder(Callback):
         stats = getattr(trainer.strategy.model, "comm_stats", None)
         if stats is None:  # torch's DDP allreduces every gradient and reports nothing
             self.bytes_sent.append(float(self.gradient_bytes))
+            self.bytes_received.append(float(self.gradient_bytes))
         else:
             last = stats()
             sent = None if last is None or last.bytes_sent is None else float(last.bytes_sent)
-            extra = _parameter_exchange_bytes(
+            extra_sent, extra_received = _parameter_exchange(
                 getattr(trainer.strategy, "comm_hook_state", None), self.gradient_bytes
             )
-            self.bytes_sent.append(None if sent is None else sent + extra)
+            self.bytes_sent.append(None if sent is None else sent + extra_sent)
+            self.bytes_received.append(None if sent is None else sent + extra_received)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._val_started = time.perf_counter()
@@ -146,16 +151,22 @@ def _replica_mean(params: list[torch.Tensor]) -> Any:
 def _parameter_exchange_bytes(state: Any, parameter_bytes: int) -> float:
     """Bytes sent after this step's optimizer step, outside the gradient hook: DiLoCo's outer exchanges
     (the state counts them) and post-local SGD's model average (the whole model, when the averager ran)."""
+    return _parameter_exchange(state, parameter_bytes)[0]
+
+
+def _parameter_exchange(state: Any, parameter_bytes: int) -> tuple[float, float]:
+    """(sent, received) of :func:`_parameter_exchange_bytes`'s exchanges."""
     take_syncs = getattr(state, "take_syncs", None)
     if callable(take_syncs):
-        return float(sum(sync.bytes_sent for sync in take_syncs()))
+        syncs = take_syncs()
+        return float(sum(s.bytes_sent for s in syncs)), float(sum(s.bytes_received for s in syncs))
     averager = getattr(state, "averager", None)
     period = getattr(averager, "period", None)
     if averager is not None and period is not None:
         step = averager.step - 1  # the step the averager just counted
         if step >= averager.warmup_steps and (step - averager.warmup_steps) % period == 0:
-            return float(parameter_bytes)
-    return 0.0
+            return float(parameter_bytes), float(parameter_bytes)
+    return 0.0, 0.0
 
 
 def run(rank: int, config: dict[str, Any]) -> dict[str, Any]:
@@ -208,6 +219,7 @@ def run(rank: int, config: dict[str, Any]) -> dict[str, Any]:
         "time_s": recorder.time_s,
         "train_loss": recorder.train_loss,
         "bytes_sent": recorder.bytes_sent,
+        "bytes_received": recorder.bytes_received,
         "val": recorder.val,
         "gradient_bytes": gradient_bytes,
         "param_numel": sum(p.numel() for p in module.parameters()),

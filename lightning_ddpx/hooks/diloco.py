@@ -14,7 +14,9 @@ background while ``tau`` more inner steps are computed (``overlap_steps``), and 
 then: the outer step gives the fragment's new global value ``g``, and the replica's fragment becomes
 ``alpha * local + (1 - alpha) * g`` (``mixing``; 0 keeps nothing of the ``tau`` local steps). The delta
 may be sent in bf16 or fp16, or quantized to 8 or 4 bits (``precision``;
-:mod:`~lightning_ddpx.hooks.outer_exchange`). With ``F = 1``, ``tau = 0``, ``alpha = 0`` this is DiLoCo.
+:mod:`~lightning_ddpx.hooks.outer_exchange`), or sparse -- each chunk's top-k in 2 to 8 bits, with the rest
+kept per rank as error feedback for the next exchange (``sparse``, SparseLoCo;
+:mod:`~lightning_ddpx.hooks.sparse_exchange`). With ``F = 1``, ``tau = 0``, ``alpha = 0`` this is DiLoCo.
 
 During inner steps the module's gradients must not be all-reduced: the registered hook
 (:func:`diloco_local_gradients_hook`) hands each bucket back untouched. The outer step runs after every
@@ -22,9 +24,9 @@ inner optimizer step through :class:`OuterStep`, the state's
 :class:`~lightning_ddpx.engine.optim.parameter_averaging.ParameterAveraging`: registering the hook binds it
 to the module's parameters, and ``model.average_parameters_after_step()`` (which the strategies call) runs
 it, as it runs post-local SGD's averager. Everything the schedule needs -- the step
-counter, the anchors, the outer momentum, any exchange still in flight (waited for, its result kept) --
-is in :meth:`DiLoCoState.state_dict`, tensors and plain values only, so a resumed run continues bit for
-bit.
+counter, the anchors, the outer momentum, any exchange still in flight (waited for, its result kept),
+and each rank's error buffers of the sparse exchange -- is in :meth:`DiLoCoState.state_dict`, tensors and
+plain values only, so a resumed run continues bit for bit.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from lightning_ddpx.engine.transport.backend_support import bf16_reduction_probl
 from lightning_ddpx.hooks.default import noop_hook
 from lightning_ddpx.hooks.model_averaging import ParamsOrGroups
 from lightning_ddpx.hooks.outer_exchange import PRECISIONS, CompletedMean, OuterExchange, start_exchange
+from lightning_ddpx.hooks.sparse_exchange import SparseCodec, SparseMean, SparseOptions, error_fed_payload
 
 __all__ = [
     "DiLoCoOptions",
@@ -68,7 +71,7 @@ def _number(name: str, value: Any, low: float, high: Optional[float] = None) -> 
 @dataclass(frozen=True)
 class DiLoCoOptions:
     """How often and how the outer step runs. Defaults: the papers' outer optimizer (SGD, lr 0.7, Nesterov
-    momentum 0.9), ``H = 100`` (streaming DiLoCo's), one fragment, no overlap, full precision."""
+    momentum 0.9), ``H = 100`` (streaming DiLoCo's), one fragment, no overlap, full precision, dense."""
 
     period: int = 100  # H: inner optimizer steps between two syncs of the same fragment
     outer_lr: float = 0.7
@@ -79,6 +82,8 @@ class DiLoCoOptions:
     mixing: float = 0.0  # alpha: weight of the local fragment when the global one arrives
     # of the outer exchange: "fp32" (the parameters' dtype), "bf16", "fp16", or quantized "int8", "int4"
     precision: str = "fp32"
+    # the sparse, error-fed exchange instead (SparseOptions, or a dict of its fields; None: dense)
+    sparse: Optional[SparseOptions] = None
 
     def __post_init__(self) -> None:
         check_int("DiLoCoOptions", "period", self.period, 1)
@@ -114,6 +119,13 @@ class DiLoCoOptions:
             raise ValueError(
                 f"diloco option precision must be one of {list(PRECISIONS)}, got {self.precision!r}."
             )
+        if self.sparse is not None:
+            object.__setattr__(self, "sparse", SparseOptions.from_value(self.sparse))
+            if self.precision != "fp32":
+                raise ValueError(
+                    f"diloco options sparse and precision={self.precision!r} together: the sparse exchange "
+                    "sends its values in sparse.bits bits of its own. Leave precision at 'fp32' (the default)."
+                )
 
     @classmethod
     def from_dict(cls, options: Mapping[str, Any]) -> "DiLoCoOptions":
@@ -161,6 +173,7 @@ class OuterSync:
     step: int
     fragment: int
     bytes_sent: int
+    bytes_received: int = 0
 
 
 @dataclass
@@ -185,11 +198,14 @@ class DiLoCoState:
         self.averager = OuterStep(self)
         self.syncs = 0  # fragment exchanges applied
         self.bytes_sent = 0  # payload bytes of all outer exchanges
+        self.bytes_received = 0  # bytes that reached this rank in them
         self._new_syncs: list[OuterSync] = []
         self.params: list[torch.Tensor] = []
         self._watched: list[tuple[str, torch.Tensor, bool]] = []  # (name, parameter, trainable at attach)
         self.anchors: list[torch.Tensor] = []
         self.fragment_of: list[int] = []
+        self.errors: list[torch.Tensor] = []  # sparse exchange: this rank's unsent change, per parameter
+        self._codecs: dict[int, SparseCodec] = {}  # sparse exchange: each fragment's payload layout
         self.outer_optimizer: Optional[torch.optim.SGD] = None
         self._in_flight: dict[int, _InFlight] = {}
         # the fault tolerance's setting: each exchange completes within the step that sends it (where the
@@ -235,6 +251,12 @@ class DiLoCoState:
             self.anchors, lr=o.outer_lr, momentum=o.outer_momentum, nesterov=o.nesterov
         )
         self._in_flight = {}
+        if o.sparse is not None:
+            self.errors = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self.params]
+            self._codecs = {
+                f: SparseCodec([self.params[i].numel() for i in self.fragment_params(f)], o.sparse)
+                for f in range(o.fragments)
+            }
         if o.precision == "bf16" and dist.is_initialized():
             problem = bf16_reduction_problem(self.process_group, self.params[0].device)
             if problem is not None:
@@ -298,22 +320,38 @@ class DiLoCoState:
     def _send(self, fragment: int, step: int) -> None:
         indices = self.fragment_params(fragment)
         overlap = self.options.overlap_steps
+        async_op = overlap > 0 and not self.complete_at_send
+        what = f"DiLoCo outer delta (fragment {fragment})"
         with torch.no_grad():
             delta = torch.cat([(self.anchors[i] - self.params[i].detach()).reshape(-1) for i in indices])
-            exchange = start_exchange(
-                delta,
-                self.options.precision,
-                self.process_group,
-                async_op=overlap > 0 and not self.complete_at_send,
-                what=f"DiLoCo outer delta (fragment {fragment})",
-            )
+            if self.options.sparse is not None and delta.numel() > 0:
+                exchange = self._start_sparse(fragment, indices, delta, async_op, what)
+            else:
+                exchange = start_exchange(delta, self.options.precision, self.process_group, async_op, what)
         self.bytes_sent += exchange.bytes_sent
-        self._new_syncs.append(OuterSync(step, fragment, exchange.bytes_sent))
+        self.bytes_received += exchange.bytes_received
+        self._new_syncs.append(OuterSync(step, fragment, exchange.bytes_sent, exchange.bytes_received))
         del self._new_syncs[:-_KEPT_SYNCS]  # nobody taking them (statistics off): keep the latest only
         if self.complete_at_send:  # the same mean, known now: nothing left in flight across steps
             with torch.no_grad():
                 exchange = CompletedMean(exchange.result())
         self._in_flight[fragment] = _InFlight(step + overlap, exchange)
+
+    def _start_sparse(
+        self, fragment: int, indices: list[int], delta: torch.Tensor, async_op: bool, what: str
+    ) -> OuterExchange:
+        """The fragment's change plus this rank's error buffers, sparse; what it does not send (the rounding
+        of what it does included) becomes the new error buffers."""
+        assert self.options.sparse is not None
+        codec = self._codecs[fragment]
+        error = torch.cat([self.errors[i].reshape(-1) for i in indices])
+        payload, error = error_fed_payload(codec, delta, error, self.options.sparse.error_decay)
+        offset = 0
+        for i in indices:
+            numel = self.errors[i].numel()
+            self.errors[i].copy_(error[offset : offset + numel].view_as(self.errors[i]))
+            offset += numel
+        return SparseMean(payload, codec, self.process_group, async_op, what)
 
     def _apply(self, fragment: int) -> None:
         in_flight = self._in_flight.pop(fragment)
@@ -366,8 +404,9 @@ class DiLoCoState:
 
     # ---------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """``{"shared": ..., "per_rank": {}}``: everything is equal on every rank (anchors, outer momentum,
-        step, the mean delta of exchanges in flight -- waited for here), so it is stored once."""
+        """``{"shared": ..., "per_rank": ...}``: the anchors, outer momentum, step and the mean delta of
+        exchanges in flight (waited for here) are equal on every rank, stored once; ``per_rank`` holds this
+        rank's error buffers of the sparse exchange (``{"errors": [...]}``; ``{}`` for a dense one)."""
         self.finish()
         optimizer = self.outer_optimizer.state_dict() if self.outer_optimizer is not None else None
         shared = {
@@ -375,6 +414,7 @@ class DiLoCoState:
             "step": self.step,
             "syncs": self.syncs,
             "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
             "fragment_of": list(self.fragment_of),
             "anchors": [a.detach().clone() for a in self.anchors],
             "outer_optimizer": optimizer,
@@ -383,7 +423,8 @@ class DiLoCoState:
                 for f, x in self._in_flight.items()
             },
         }
-        return {"shared": shared, "per_rank": {}}
+        per_rank = {"errors": [e.clone() for e in self.errors]} if self.options.sparse is not None else {}
+        return {"shared": shared, "per_rank": per_rank}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         shared = state_dict["shared"]
@@ -414,12 +455,31 @@ class DiLoCoState:
         self.averager.step = int(shared["step"])
         self.syncs = int(shared["syncs"])
         self.bytes_sent = int(shared["bytes_sent"])
+        self.bytes_received = int(shared.get("bytes_received", 0))
+        self._load_errors((state_dict.get("per_rank") or {}).get("errors"))
         device = self.anchors[0].device
         self._in_flight = {
             int(f): _InFlight(int(x["apply_at"]), CompletedMean(x["mean_delta"].to(device)))
             for f, x in shared["in_flight"].items()
         }
         self._new_syncs = []
+
+    def _load_errors(self, saved: Optional[Sequence[torch.Tensor]]) -> None:
+        """This rank's saved error buffers, or zeros (a newcomer, another world size, a dense checkpoint)."""
+        if self.options.sparse is None:
+            return
+        if saved is None:
+            for error in self.errors:
+                error.zero_()
+            return
+        if [tuple(e.shape) for e in saved] != [tuple(e.shape) for e in self.errors]:
+            raise ValueError(
+                "the checkpoint's DiLoCo error buffers (per_rank['errors']) do not match this model's trainable "
+                "parameters (other shapes or another number of them)."
+            )
+        with torch.no_grad():
+            for error, value in zip(self.errors, saved):
+                error.copy_(value)
 
     def __repr__(self) -> str:
         return f"DiLoCoState({self.options}, step={self.step}, syncs={self.syncs})"

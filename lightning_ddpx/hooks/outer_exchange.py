@@ -110,6 +110,9 @@ class OuterExchange:
     """One fragment's exchange, started; :meth:`result` is the mean change over the ranks (waiting for it)."""
 
     bytes_sent: int  # this rank's payload
+    # what reaches this rank: an all-reduce's (or the quantized two phases') result, the payload's size;
+    # an all-gather's, every other rank's payload
+    bytes_received: int
 
     def advance(self) -> None:
         """Called one inner step after the send while the exchange is in flight: start what can start now."""
@@ -122,7 +125,7 @@ class CompletedMean(OuterExchange):
     """An exchange whose mean is known (restored from a checkpoint)."""
 
     def __init__(self, mean: torch.Tensor) -> None:
-        self.mean, self.bytes_sent = mean, 0
+        self.mean, self.bytes_sent, self.bytes_received = mean, 0, 0
 
     def result(self) -> torch.Tensor:
         return self.mean
@@ -141,7 +144,7 @@ class AllReducedMean(OuterExchange):
     ) -> None:
         self.payload = delta.to(dtype) if dtype is not None else delta
         self.payload.div_(dist.get_world_size(group))
-        self.bytes_sent = self.payload.numel() * self.payload.element_size()
+        self.bytes_sent = self.bytes_received = self.payload.numel() * self.payload.element_size()
         self.group, self.what = group, what
         with waiting_for(f"every rank's {what}", group):
             self.work = dist.all_reduce(self.payload, group=group, async_op=async_op)
@@ -166,7 +169,7 @@ class QuantizedMean(OuterExchange):
         padded = torch.zeros(self.world_size * self.chunk, dtype=torch.float32, device=delta.device)
         padded[: self.numel] = delta.reshape(-1)
         send = quantize(padded.view(self.world_size, self.chunk), bits)
-        self.bytes_sent = send.numel()
+        self.bytes_sent = self.bytes_received = send.numel()
         self.received = torch.empty_like(send)
         self.gathered: Optional[list[torch.Tensor]] = None
         self.mean: Optional[torch.Tensor] = None

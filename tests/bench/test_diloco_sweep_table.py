@@ -57,4 +57,12 @@ def test_table_pairs_only_seeds_both_ran_and_merges_spellings():
     assert cells[6] == "1.7500 (1.5000)"
     assert cells[7].startswith("+16.7 %")
     assert cells[8].startswith("+25.0 % ± 25.0")
-    assert cells[-1] == "160"
+    assert cells[-2:] == ["160", ""]  # x fewer sent; received: not recorded by these rows
+
+
+def test_a_sparse_setting_is_labelled_by_its_options_and_reports_received_bytes():
+    sparse = {"period": 20, "outer_lr": 0.7, "outer_momentum": 0.3, "sparse": {"density": 0.01, "bits": 4}}
+    assert label(sparse) == "H=20, lr=0.7, mom=0.3, sparse 1 % x 4 bits/4096, decay 0.999"
+    rows = [_row("torch-ddp", 0, [1.0] * 8), {**_row(sparse, 0, [1.0] * 8), "received_vs_ddp": 80.0}]
+    (line,) = [line for line in table(rows).splitlines() if line.startswith("| digits")]
+    assert [c.strip() for c in line.strip("|").split("|")][-2:] == ["160", "80"]

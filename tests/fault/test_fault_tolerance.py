@@ -397,6 +397,23 @@ def test_diloco_loses_only_the_lost_replicas_inner_steps_and_heals_after_an_oute
     )
 
 
+def test_sparse_diloco_puts_back_its_error_buffers_reruns_a_failed_outer_step_and_heals(tmp_path):
+    """The sparse exchange: rank 0 is killed right before the outer step after step 8; the survivors put
+    back their parameters and error buffers (each rank's own, in the snapshot), run the exchange again
+    between the two of them, and stay bit-identical after every outer step; the replacement, admitted
+    right after an outer step with its error buffers at zero, too."""
+    run_averaging_job(
+        tmp_path,
+        "00000:8:sync",
+        ["00001", "00002"],
+        "diloco",
+        {"diloco": {"period": 4, "sparse": {"density": 0.1, "bits": 2, "chunk": 64}}},
+        lambda step: step % 4 == 0,
+        lambda step: step % 4 == 0,
+        "DiLoCo's outer step after step 8",
+    )
+
+
 def test_streaming_diloco_reruns_a_failed_fragment_sync_and_heals_a_copy_of_a_live_replica(tmp_path):
     """Two fragments, each sent every 4 steps (fragment 0 after steps 2, 6, 10, 14; fragment 1 after 4, 8,
     12, 16), applied a step later (overlap_steps=1) and mixed with the local values (mixing 0.5): the

@@ -200,6 +200,38 @@ def test_bench_has_both_diloco_contenders_and_counts_their_exchanges() -> None:
     assert _parameter_exchange_bytes(None, 999) == 0.0
 
 
+def test_bench_has_a_sparse_diloco_contender_and_counts_what_it_receives() -> None:
+    from lightning_ddpx.bench.convergence import convergence_contenders_named, summarize_runs
+    from lightning_ddpx.bench.convergence_worker import _parameter_exchange
+    from lightning_ddpx.hooks.diloco import OuterSync
+
+    (sparse,) = convergence_contenders_named(["sparse-diloco"])
+    assert DDPXConfig(**sparse.strategy).diloco.sparse.density == 0.04 and sparse.steps_factor == 3
+    state = DiLoCoState()
+    state._new_syncs = [OuterSync(20, 0, 100, 300)]  # an all-gather on 4 ranks: 3 payloads received
+    assert _parameter_exchange(state, 999) == (100.0, 300.0)
+    averager = SimpleNamespace(step=15, warmup_steps=10, period=4)
+    assert _parameter_exchange(SimpleNamespace(averager=averager), 999) == (999.0, 999.0)
+    val = [{"step": 2, "time_s": 1.0, "metric": 0.5, "val_loss": 1.0}]
+    runs = {
+        "torch-ddp": {
+            "time_s": [0.1, 0.2],
+            "bytes_sent": [1000.0] * 2,
+            "bytes_received": [1000.0] * 2,
+            "val": val,
+        },
+        "sparse-diloco": {
+            "time_s": [0.1, 0.2],
+            "bytes_sent": [0.0, 10.0],
+            "bytes_received": [0.0, 40.0],
+            "val": val,
+        },
+    }
+    ddp, row = summarize_runs(convergence_contenders_named(["torch-ddp", "sparse-diloco"]), runs, None)
+    assert (row.bytes_vs_torch, row.received_vs_torch) == (200.0, 50.0)
+    assert (ddp.bytes_vs_torch, ddp.received_vs_torch) == (1.0, 1.0)
+
+
 def test_bench_table_reports_bytes_saved_and_recommends_against_torch_ddp_alone() -> None:
     """On the slow link only torch's DDP may be run as the lossless reference: the recommendation still
     considers DiLoCo, and the table says how many times fewer bytes each contender sent."""
@@ -235,12 +267,24 @@ def test_outer_sync_metrics_give_each_exchange_and_the_running_total() -> None:
     from lightning_ddpx.lightning.features.diloco_setup import outer_sync_metrics
 
     state = DiLoCoState()
-    state.bytes_sent = 300
-    state._new_syncs = [OuterSync(4, 0, 100), OuterSync(8, 1, 50)]
+    state.bytes_sent, state.bytes_received = 300, 900
+    state._new_syncs = [OuterSync(4, 0, 100, 300), OuterSync(8, 1, 50, 150)]
     fabric_model = SimpleNamespace(_forward_module=SimpleNamespace(comm_hook_state=state))
     assert outer_sync_metrics(fabric_model) == [
-        {"ddpx/outer_sync_bytes": 100.0, "ddpx/outer_sync_fragment": 0.0, "ddpx/outer_bytes_total": 250.0},
-        {"ddpx/outer_sync_bytes": 50.0, "ddpx/outer_sync_fragment": 1.0, "ddpx/outer_bytes_total": 300.0},
+        {
+            "ddpx/outer_sync_bytes": 100.0,
+            "ddpx/outer_sync_bytes_received": 300.0,
+            "ddpx/outer_sync_fragment": 0.0,
+            "ddpx/outer_bytes_total": 250.0,
+            "ddpx/outer_bytes_received_total": 750.0,
+        },
+        {
+            "ddpx/outer_sync_bytes": 50.0,
+            "ddpx/outer_sync_bytes_received": 150.0,
+            "ddpx/outer_sync_fragment": 1.0,
+            "ddpx/outer_bytes_total": 300.0,
+            "ddpx/outer_bytes_received_total": 900.0,
+        },
     ]
     assert outer_sync_metrics(state) == [] and outer_sync_metrics(nn.Linear(2, 2)) == []
 
@@ -429,3 +473,70 @@ def test_exchanges_completed_at_send_give_the_same_bits_as_exchanges_in_flight()
     exchanges left in flight, on two ranks with their own data, in full precision and quantized."""
     for outcome in run_distributed(overlapped_both_ways, 2, timeout=120):
         assert outcome == {"fp32": True, "int8": True}, outcome
+
+
+# ---------------------------------------------------------------------------------- the sparse exchange
+SPARSE = {"period": 4, "fragments": 2, "overlap_steps": 1, "sparse": {"density": 0.3, "bits": 2, "chunk": 8}}
+
+
+@pytest.mark.parametrize(
+    ("sparse", "error", "match"),
+    [
+        ({"density": 0}, ValueError, r"sparse.density must be a number in \(0, 1\]"),
+        ({"bits": 1}, ValueError, r"sparse.bits must be one of \[2, 4, 8\]"),
+        ({"chunk": 64.0}, TypeError, "sparse: chunk must be an integer"),
+        ({"decay": 0.9}, TypeError, r"unknown diloco option\(s\) sparse.\['decay'\]"),
+        ("2%", TypeError, "diloco option sparse must be a dict"),
+    ],
+)
+def test_bad_sparse_options_are_refused_by_the_strategy_by_name(sparse, error, match) -> None:
+    with pytest.raises(error, match=match):
+        DDPXConfig(comm_hook="diloco", diloco={"period": 4, "sparse": sparse})
+
+
+def test_sparse_options_come_from_a_dict_or_true_and_refuse_a_precision() -> None:
+    from lightning_ddpx.hooks.sparse_exchange import SparseOptions
+
+    config = DDPXConfig(comm_hook="diloco", diloco={"period": 4, "sparse": {"density": 0.01, "bits": 4}})
+    assert config.diloco.sparse == SparseOptions(density=0.01, bits=4)
+    assert DiLoCoOptions(sparse=True).sparse == SparseOptions()
+    assert DiLoCoOptions.from_dict({"sparse": None}).sparse is None
+    with pytest.raises(ValueError, match="sparse and precision='int4' together"):
+        DiLoCoOptions(precision="int4", sparse={})
+
+
+def test_sparse_state_round_trips_every_ranks_errors_through_a_weights_only_checkpoint() -> None:
+    with one_rank_group():
+        model, state, _ = _run(13, options=SPARSE)
+        _, saved_state, saved = _run(13, save_at=6, options=SPARSE)  # fragment 0 sent at 6, in flight
+        checkpoint = torch.load(io.BytesIO(saved), weights_only=True)["diloco"]
+        errors = checkpoint["per_rank"]["errors"]
+        assert [e.shape for e in errors] == [p.shape for p in model.parameters()]
+        assert all(e.dtype == torch.float32 for e in errors) and any(e.abs().sum() > 0 for e in errors)
+        resumed, resumed_state, _ = _run(13, saved=saved, options=SPARSE)
+        for a, b in zip(model.parameters(), resumed.parameters()):
+            assert torch.equal(a, b)
+        for a, b in zip(state.errors, resumed_state.errors):
+            assert torch.equal(a, b)
+        assert (resumed_state.bytes_sent, resumed_state.bytes_received) == (state.bytes_sent, 0)
+        # a newcomer (or another world size) gets the shared part only: its error buffers start at zero
+        resumed_state.load_state_dict({"shared": checkpoint["shared"], "per_rank": {}})
+        assert not any(e.any() for e in resumed_state.errors)
+
+
+def test_sparse_exchange_sends_and_counts_the_stated_payload() -> None:
+    from lightning_ddpx.hooks.sparse_exchange import SparseCodec
+
+    with one_rank_group():
+        model, state, _ = _run(8, options=SPARSE)
+    options = DiLoCoOptions(**SPARSE).sparse
+    sizes = [
+        SparseCodec(
+            [p.numel() for i, p in enumerate(model.parameters()) if state.fragment_of[i] == f], options
+        )
+        for f in (0, 1)
+    ]
+    syncs = state.take_syncs()
+    assert [(s.step, s.fragment) for s in syncs] == [(2, 0), (4, 1), (6, 0), (8, 1)]
+    assert [s.bytes_sent for s in syncs] == [sizes[s.fragment].payload_bytes for s in syncs]
+    assert state.bytes_sent == sum(s.bytes_sent for s in syncs) and state.bytes_received == 0

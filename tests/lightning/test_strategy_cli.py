@@ -102,7 +102,7 @@ def test_every_shipped_config_builds_its_strategy(config, cli_train, monkeypatch
     )
     strategy = cli.trainer.strategy
     assert isinstance(strategy, DDPXStrategy)
-    expected = {"fp16_powersgd": "fp16(powersgd)", "fault_tolerance": "allreduce"}
+    expected = {"fp16_powersgd": "fp16(powersgd)", "fault_tolerance": "allreduce", "sparseloco": "diloco"}
     assert strategy.hook_name == expected.get(config.stem, config.stem)
     if config.stem == "fault_tolerance":
         assert strategy.fault_tolerance.replacements == 1
@@ -116,6 +116,9 @@ def test_every_shipped_config_builds_its_strategy(config, cli_train, monkeypatch
     if config.stem == "diloco":
         o = strategy.diloco
         assert (o.period, o.fragments, o.overlap_steps, o.precision, o.nesterov) == (20, 2, 1, "int4", True)
+    if config.stem == "sparseloco":
+        sparse = strategy.diloco.sparse
+        assert (sparse.density, sparse.bits, sparse.chunk, sparse.error_decay) == (0.04, 2, 4096, 0.999)
 
 
 @pytest.mark.slow

@@ -38,7 +38,9 @@ def resolve_options(
 
 def outer_sync_metrics(source: Any) -> list[dict[str, float]]:
     """One metrics dict per outer exchange sent since the last call: its payload bytes
-    (``ddpx/outer_sync_bytes``), the fragment, and the run's total so far (``ddpx/outer_bytes_total``).
+    (``ddpx/outer_sync_bytes``), the bytes that reached this rank in it (``ddpx/outer_sync_bytes_received``:
+    an all-reduce's result, or -- for the sparse exchange's all-gather -- every other rank's payload), the
+    fragment, and the run's totals so far (``ddpx/outer_bytes_total``, ``ddpx/outer_bytes_received_total``).
 
     ``source`` is a DiLoCo state, our module, or the model ``fabric.setup`` returned (Fabric's loop logs
     them: ``for m in outer_sync_metrics(model): fabric.log_dict(m)``). Anything else: no metrics.
@@ -47,16 +49,20 @@ def outer_sync_metrics(source: Any) -> list[dict[str, float]]:
     state = getattr(module, "comm_hook_state", module)
     if not isinstance(state, DiLoCoState):
         return []
-    total = state.bytes_sent
     syncs = state.take_syncs()
-    metrics, before = [], total - sum(sync.bytes_sent for sync in syncs)
+    metrics = []
+    sent = state.bytes_sent - sum(sync.bytes_sent for sync in syncs)
+    received = state.bytes_received - sum(sync.bytes_received for sync in syncs)
     for sync in syncs:
-        before += sync.bytes_sent
+        sent += sync.bytes_sent
+        received += sync.bytes_received
         metrics.append(
             {
                 "ddpx/outer_sync_bytes": float(sync.bytes_sent),
+                "ddpx/outer_sync_bytes_received": float(sync.bytes_received),
                 "ddpx/outer_sync_fragment": float(sync.fragment),
-                "ddpx/outer_bytes_total": float(before),
+                "ddpx/outer_bytes_total": float(sent),
+                "ddpx/outer_bytes_received_total": float(received),
             }
         )
     return metrics

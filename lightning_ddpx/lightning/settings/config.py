@@ -166,7 +166,8 @@ class DDPXConfig:
         'options of ``comm_hook="diloco"``: ``period`` (H, inner steps between syncs), ``outer_lr``, '
         "``outer_momentum``, ``nesterov``, ``fragments`` and ``overlap_steps`` (streaming DiLoCo), ``mixing``, "
         '``precision`` of the outer exchange (``"fp32"``, ``"bf16"``, ``"fp16"``, or quantized ``"int8"``, '
-        '``"int4"``), as a ``DiLoCoOptions`` or a dict. See docs/diloco.md.',
+        '``"int4"``), or ``sparse`` (a dict of ``density``, ``bits``, ``chunk``, ``error_decay``: the top-k of '
+        "each chunk in 2, 4 or 8 bits with error feedback), as a ``DiLoCoOptions`` or a dict. See docs/diloco.md.",
     )
     comm_hook_options: Optional[dict[str, Any]] = _option(
         None,
