@@ -3,11 +3,12 @@
 Structure, checked on the source with ``ast`` (nothing is imported):
 
 - layers between packages: each imports only the layers under it;
-- rooms inside the engine: each imports only the rooms listed before it in lightning_ddpx/engine/__init__.py,
-  counting every import (module level, under ``if TYPE_CHECKING:``, inside functions), and no import circle;
+- rooms inside the engine and inside fault/: each imports only the rooms listed before it in the package's
+  ``__init__.py``, counting every import (module level, under ``if TYPE_CHECKING:``, inside functions), and
+  no import circle;
 - the iteration's phase is asked in one place, the reducer;
-- no unit reads another unit's private members, and private torch/Lightning attributes are touched only in
-  the ``_compat`` modules.
+- no unit reads another unit's private members, in every package (nor, outside the engine, the module's
+  reducer), and private torch/Lightning attributes are touched only in the ``_compat`` modules.
 
 The page: every path and dotted name it cites exists, every ``Class.member`` it names is one, and its recipes
 run. Classes and functions have no size limit: one job each, as long as that job needs.
@@ -120,41 +121,83 @@ def test_layers_import_only_the_layers_below() -> None:
     assert not broken, "\n".join(broken)
 
 
-# ----------------------------------------------------------------------------- rooms inside the engine
-def _engine_order() -> dict[str, int]:
-    """Room (or leaf module) -> its rank, from the numbered list of lightning_ddpx/engine/__init__.py."""
-    docstring = ast.get_docstring(_tree(ENGINE / "__init__.py")) or ""
+# ------------------------------------------------------------------- rooms inside the engine and fault/
+ROOMED = ("engine", "fault")  # packages whose __init__ numbers their rooms in layer order
+
+
+def _order(package: str) -> dict[str, int]:
+    """Room (or leaf module) -> its rank, from the numbered list of lightning_ddpx/<package>/__init__.py."""
+    docstring = ast.get_docstring(_tree(PACKAGE / package / "__init__.py")) or ""
     items = re.findall(r"^(\d+)\. (.*?)(?=^\d+\. |\n\n|\Z)", docstring, re.M | re.S)
     return {name: int(rank) for rank, text in items for name in re.findall(r":mod:`\.(\w+)`", text)}
 
 
-def _room(module: str) -> str | None:
-    """``lightning_ddpx.engine.<room>[.<module>]`` -> the room (a leaf module is a room of its own rank)."""
+def _engine_order() -> dict[str, int]:
+    return _order("engine")
+
+
+def _room_in(package: str, module: str) -> str | None:
+    """``lightning_ddpx.<package>.<room>[.<module>]`` -> the room (a leaf module is a room of its own rank)."""
     parts = module.split(".")
-    return parts[2] if parts[:2] == ["lightning_ddpx", "engine"] and len(parts) > 2 else None
+    return parts[2] if parts[:2] == ["lightning_ddpx", package] and len(parts) > 2 else None
 
 
-def _engine_imports() -> list[tuple[str, Path, ast.stmt, str]]:
-    """(importer, its file, the import, the engine module imported) for every engine-to-engine import."""
+def _room(module: str) -> str | None:
+    return _room_in("engine", module)
+
+
+def _room_imports(package: str) -> list[tuple[str, Path, ast.stmt, str]]:
+    """(importer, its file, the import, the module imported) for every import inside ``package``."""
     found = []
     for module, path in _sources().items():
-        if _room(module) is None:
+        if _room_in(package, module) is None:
             continue
         for node, name in _imports(path):
             target = _ours(name)
-            if target is not None and _room(target) is not None and target != module:
+            if target is not None and _room_in(package, target) is not None and target != module:
                 found.append((module, path, node, target))
     return found
 
 
+def _engine_imports() -> list[tuple[str, Path, ast.stmt, str]]:
+    return _room_imports("engine")
+
+
+def _unplaced(package: str) -> tuple[list[str], list[str]]:
+    """The rooms of ``package`` its ``__init__`` does not place, and the places that name no room."""
+    order, folder = _order(package), PACKAGE / package
+    rooms = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+    rooms |= {p.name for p in folder.iterdir() if (p / "__init__.py").exists()}
+    return sorted(rooms - set(order)), sorted(set(order) - rooms)
+
+
+def _against_order(package: str) -> list[str]:
+    order = _order(package)
+    return [
+        f"{_where(path, node)}: {module} ({_room_in(package, module)}, {order[_room_in(package, module)]}.) "  # type: ignore[index]
+        f"imports {target} ({_room_in(package, target)}, {order[_room_in(package, target)]}.)"  # type: ignore[index]
+        for module, path, node, target in _room_imports(package)
+        if order[_room_in(package, target)] > order[_room_in(package, module)]  # type: ignore[index]
+    ]
+
+
 def test_the_engine_order_places_every_room() -> None:
-    order = _engine_order()
-    assert {"agreement", "reducer", "module", "compile"} <= set(order), "the numbered list was not found"
-    rooms = {p.stem for p in ENGINE.glob("*.py") if p.stem != "__init__"}
-    rooms |= {p.name for p in ENGINE.iterdir() if (p / "__init__.py").exists()}
-    assert set(order) == rooms, (
-        "lightning_ddpx/engine/__init__.py lists the rooms in their layer order; place these: "
-        f"{sorted(rooms - set(order))}; remove these: {sorted(set(order) - rooms)}"
+    assert {"agreement", "reducer", "module", "compile"} <= set(_engine_order()), (
+        "the numbered list was not found"
+    )
+    unplaced, stale = _unplaced("engine")
+    assert not unplaced and not stale, (
+        f"lightning_ddpx/engine/__init__.py lists the rooms in their layer order; place these: {unplaced}; "
+        f"remove these: {stale}"
+    )
+
+
+def test_the_fault_order_places_every_room() -> None:
+    assert {"steps", "manager", "launch"} <= set(_order("fault")), "the numbered list was not found"
+    unplaced, stale = _unplaced("fault")
+    assert not unplaced and not stale, (
+        f"lightning_ddpx/fault/__init__.py lists the rooms in their layer order; place these: {unplaced}; "
+        f"remove these: {stale}"
     )
 
 
@@ -162,14 +205,22 @@ def test_engine_rooms_import_only_the_rooms_before_them() -> None:
     """A room builds on the rooms listed before it in lightning_ddpx/engine/__init__.py; inside a room,
     modules import each other freely. What a lower room needs from a higher one is passed in (a callback,
     an object), never imported."""
-    order = _engine_order()
-    broken = [
-        f"{_where(path, node)}: {module} ({_room(module)}, {order[_room(module)]}.) imports {target} "
-        f"({_room(target)}, {order[_room(target)]}.)"
-        for module, path, node, target in _engine_imports()
-        if order[_room(target)] > order[_room(module)]  # type: ignore[index]
-    ]
+    broken = _against_order("engine")
     assert not broken, "imports against the engine's layer order:\n" + "\n".join(broken)
+
+
+def test_fault_rooms_import_only_the_rooms_before_them() -> None:
+    """fault/'s rooms as the engine's: the step protocol builds on the generations, the healer and the
+    checks; the facade (manager) on all of them; nothing below imports the facade."""
+    broken = _against_order("fault")
+    assert not broken, "imports against fault/'s layer order:\n" + "\n".join(broken)
+
+
+def test_the_room_order_catches_an_import_against_it() -> None:
+    """Guards the check itself: fault/'s facade is above its step protocol, so the protocol importing it
+    would be reported."""
+    order = _order("fault")
+    assert order["steps"] < order["manager"] and order["options"] < order["membership"]
 
 
 def _circles(graph: dict[str, set[str]]) -> list[str]:
@@ -192,12 +243,13 @@ def _circles(graph: dict[str, set[str]]) -> list[str]:
     return circles
 
 
-def test_no_import_circle_in_the_engine() -> None:
-    graph: dict[str, set[str]] = {}
-    for module, _, _, target in _engine_imports():
-        graph.setdefault(module, set()).add(target)
-    circles = _circles(graph)
-    assert not circles, "engine modules importing each other in a circle:\n" + "\n".join(circles)
+def test_no_import_circle_in_a_roomed_package() -> None:
+    for package in ROOMED:
+        graph: dict[str, set[str]] = {}
+        for module, _, _, target in _room_imports(package):
+            graph.setdefault(module, set()).add(target)
+        circles = _circles(graph)
+        assert not circles, f"{package} modules importing each other in a circle:\n" + "\n".join(circles)
 
 
 def test_the_circle_search_finds_circles() -> None:
@@ -433,23 +485,45 @@ def f(x, optimizer, reducer):
     ]
 
 
-# ------------------------------------------------------------------------------ the lightning layer
-def test_the_lightning_layer_uses_the_module_not_its_reducer() -> None:
-    """The strategies talk to DistributedDataParallel's public surface; the reducer is the engine's own.
-    Attribute access only: ``module.reducer``, ``getattr(module, "reducer")``; importing
-    ``lightning_ddpx.engine.reducer.comm_stats`` (a module path) is an import like any other."""
-    offenders = []
-    for path in sorted((PACKAGE / "lightning").glob("*.py")):
-        for node in ast.walk(_tree(path)):
-            if isinstance(node, ast.Attribute) and node.attr == "reducer":
-                root = node.value
-                while isinstance(root, ast.Attribute):
-                    root = root.value
-                if not (isinstance(root, ast.Name) and root.id == "lightning_ddpx"):
-                    offenders.append(f"{_where(path, node)}: {ast.unparse(node)}")
-            elif _attribute_call(node) and node.args[1].value == "reducer":  # type: ignore[attr-defined]
-                offenders.append(f"{_where(path, node)}: {ast.unparse(node)}")
+# ------------------------------------------------------------------------ the layers above the engine
+def _reducer_reads(tree: ast.AST) -> list[ast.AST]:
+    """``x.reducer`` and ``getattr(x, "reducer")``; a module path (``lightning_ddpx.engine.reducer``) is not."""
+    found: list[ast.AST] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "reducer":
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if not (isinstance(root, ast.Name) and root.id == "lightning_ddpx"):
+                found.append(node)
+        elif _attribute_call(node) and node.args[1].value == "reducer":  # type: ignore[attr-defined]
+            found.append(node)
+    return found
+
+
+def test_the_layers_above_the_engine_use_the_module_not_its_reducer() -> None:
+    """The strategies, the hooks, the fault tolerance and the tooling talk to DistributedDataParallel's
+    public surface (``model.comm_hook``, ``model.updates_parameters_in_backward``, ...); the reducer is the
+    engine's own. Every package but the engine, sub-packages included."""
+    offenders = [
+        f"{_where(path, node)}: {ast.unparse(node)}"
+        for module, path in _sources().items()
+        if _layer(module) not in ("engine", "")
+        for node in _reducer_reads(_tree(path))
+    ]
     assert not offenders, offenders
+
+
+def test_the_reducer_scan_sees_each_form() -> None:
+    code = """
+import lightning_ddpx.engine.reducer.comm_stats
+def f(model):
+    model.reducer.overlap, getattr(model, "reducer"), model.module.reducer, model._reducer
+"""
+    found = [ast.unparse(node) for node in _reducer_reads(ast.parse(code))]
+    assert sorted(found) == ["getattr(model, 'reducer')", "model.module.reducer", "model.reducer"]
+    # and a private member of another unit (the module's) is the private-member scan's
+    assert [read.name for read in _private_reads(ast.parse(code))] == ["model._reducer"]
 
 
 # ------------------------------------------------------------------------------------------ the page
