@@ -9,6 +9,8 @@ by a count that restarts with each one (:attr:`Generations.attempt`, :attr:`Gene
 from __future__ import annotations
 
 import gc
+import logging
+import weakref
 from datetime import timedelta
 from typing import Callable
 
@@ -21,6 +23,8 @@ from lightning_ddpx.fault.options import FaultToleranceOptions
 from lightning_ddpx.fault.stats import FaultToleranceStats
 
 __all__ = ["Generations"]
+
+log = logging.getLogger("lightning_ddpx.fault")
 
 
 class Generations:
@@ -50,6 +54,7 @@ class Generations:
         self.attempt = 0  # step attempts in this generation (the vote's key)
         self.agreements = 0  # agree() calls in this generation (the agreements' keys)
         self.current: Generation
+        self._group: weakref.ref[dist.ProcessGroup] | None = None  # the current group, to see it freed
 
     def join(self) -> None:
         """Register, wait to be admitted to the run, and build the first group."""
@@ -62,8 +67,7 @@ class Generations:
 
     def enter(self, generation: Generation) -> None:
         """Build the default process group of ``generation`` (rank = place in its member list)."""
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self._destroy_group()
         self.current = generation
         self.attempt = 0
         self.agreements = 0
@@ -74,6 +78,7 @@ class Generations:
             world_size=len(generation.members),
             timeout=timedelta(seconds=self.options.collective_timeout_s),
         )
+        self._group = weakref.ref(dist.group.WORLD)
         stats = self._stats
         stats.generation, stats.world_size = generation.number, len(generation.members)
         stats.members_lost += len(generation.lost)
@@ -90,11 +95,6 @@ class Generations:
     def next(self, reason: str, admit: bool) -> Generation:
         """Agree on the next generation (with the waiting newcomers if ``admit``) and build its group; a
         member of the record that does not arrive was lost meanwhile, and makes another one."""
-        # A group released while its step's error was handled may still have been held then: the frames of
-        # that error's traceback (the caller's ``with`` holds it until the block ends) keep the reducer's
-        # gradient hooks, and through them the group. They are gone now; collect the cycle, so that its
-        # connections close before this member waits for the others (who may be blocked on it until then).
-        gc.collect()
         current = self.current
         while True:
             generation = self.membership.next_generation(current, reason, admit_joiners=admit)
@@ -112,9 +112,24 @@ class Generations:
         reference is gone its connections close, and that receive fails at once instead of after the
         collective timeout (``ProcessGroup.abort()`` does not close gloo's). Rebuilt by :meth:`next`. The
         caller has let go of its own references first (the module's)."""
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        gc.collect()  # a reference cycle through a failed future must not keep the connections open
+        self._destroy_group()
+
+    def _destroy_group(self) -> None:
+        """Destroy the current group; its connections close once nothing holds it. Note [the failed group's
+        last reference]: what held it after a failure were cycles -- the closed reducer's readiness closures
+        (broken in ``Reducer.close``) and the failed step's traceback frames (dropped by
+        :func:`~lightning_ddpx.fault.steps.forget_frames`) -- so it is freed by reference counting here. A full
+        collection (0.1-0.5 s with a training process's ~290k objects, on the critical path of every
+        recovery) runs only if something still holds it: met only when a member's own collective failed
+        while its peers' succeeded (tests/fault_job.py's ``collective`` injection: the old reducer stays
+        reachable from a cycle through the raised error), where no peer is blocked on it."""
+        if not dist.is_initialized():
+            return
+        dist.destroy_process_group()
+        if self._group is not None and self._group() is not None:
+            log.debug("lightning_ddpx fault tolerance: the destroyed group is still held; collecting cycles")
+            gc.collect()
+        self._group = None
 
     def agree(self, value: str) -> str:
         """The first member's ``value`` for the next agreement of this generation."""
