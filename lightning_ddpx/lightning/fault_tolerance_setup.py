@@ -128,7 +128,7 @@ def attach_hook(fault: FaultTolerance, model: DistributedDataParallel, config: "
     """Register the configured hook (a name: ``check_options`` refused the rest) through the one route
     that builds hooks, ``DDPXConfig.register_hook``, and hand ``model`` to the fault tolerance, which makes
     the hook follow the membership (both strategies)."""
-    config.register_hook(model)
+    config.register_hook(model, follow_default_group=True)  # each generation's group, not the first's
     fault.attach(model, comm_hook=config.comm_hook, synchronized=fault.generation.number == 1)
 
 
