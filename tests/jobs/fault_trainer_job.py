@@ -89,7 +89,7 @@ class Job(L.LightningModule):
 
         def all_reduce(*args, **kwargs):
             result = real(*args, **kwargs)
-            if self._victim_at("between") and not self.trainer.strategy._run.fault._stepping:
+            if self._victim_at("between") and not self.trainer.strategy._run.fault.inside_step:
                 self.kill_step = -1  # once
                 raise CommunicationError(f"injected failure between steps in process {self.uid}")
             return result

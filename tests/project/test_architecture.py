@@ -3,11 +3,12 @@
 Structure, checked on the source with ``ast`` (nothing is imported):
 
 - layers between packages: each imports only the layers under it;
-- rooms inside the engine: each imports only the rooms listed before it in lightning_ddpx/engine/__init__.py,
-  counting every import (module level, under ``if TYPE_CHECKING:``, inside functions), and no import circle;
+- rooms inside the engine and inside fault/: each imports only the rooms listed before it in the package's
+  ``__init__.py``, counting every import (module level, under ``if TYPE_CHECKING:``, inside functions), and
+  no import circle;
 - the iteration's phase is asked in one place, the reducer;
-- no unit reads another unit's private members, and private torch/Lightning attributes are touched only in
-  the ``_compat`` modules.
+- no unit reads another unit's private members, in every package (nor, outside the engine, the module's
+  reducer), and private torch/Lightning attributes are touched only in the ``_compat`` modules.
 
 The page: every path and dotted name it cites exists, every ``Class.member`` it names is one, and its recipes
 run. Classes and functions have no size limit: one job each, as long as that job needs.
@@ -123,7 +124,7 @@ def test_layers_import_only_the_layers_below() -> None:
 
 # ---------------------------------------------------------------------- rooms inside a layer's package
 # The packages divided into rooms; each lists its rooms, numbered in their order, in its __init__ docstring.
-ROOMED = ("engine", "lightning")
+ROOMED = ("engine", "fault", "lightning")
 
 
 def _room_order(package: str) -> dict[str, int]:
@@ -187,6 +188,13 @@ def test_rooms_import_only_the_rooms_before_them(package: str) -> None:
         if order[_room(target, package)] > order[_room(module, package)]  # type: ignore[index]
     ]
     assert not broken, f"imports against the order of lightning_ddpx/{package}/:\n" + "\n".join(broken)
+
+
+def test_the_room_order_catches_an_import_against_it() -> None:
+    """Guards the check itself: fault/'s facade is above its step protocol, so the protocol importing it
+    would be reported."""
+    order = _room_order("fault")
+    assert order["steps"] < order["manager"] and order["options"] < order["membership"]
 
 
 def _circles(graph: dict[str, set[str]]) -> list[str]:
@@ -455,23 +463,45 @@ def f(x, optimizer, reducer):
     ]
 
 
-# ------------------------------------------------------------------------------ the lightning layer
-def test_the_lightning_layer_uses_the_module_not_its_reducer() -> None:
-    """The strategies talk to DistributedDataParallel's public surface; the reducer is the engine's own.
-    Attribute access only: ``module.reducer``, ``getattr(module, "reducer")``; importing
-    ``lightning_ddpx.engine.reducer.comm_stats`` (a module path) is an import like any other."""
-    offenders = []
-    for path in sorted((PACKAGE / "lightning").rglob("*.py")):
-        for node in ast.walk(_tree(path)):
-            if isinstance(node, ast.Attribute) and node.attr == "reducer":
-                root = node.value
-                while isinstance(root, ast.Attribute):
-                    root = root.value
-                if not (isinstance(root, ast.Name) and root.id == "lightning_ddpx"):
-                    offenders.append(f"{_where(path, node)}: {ast.unparse(node)}")
-            elif _attribute_call(node) and node.args[1].value == "reducer":  # type: ignore[attr-defined]
-                offenders.append(f"{_where(path, node)}: {ast.unparse(node)}")
+# ------------------------------------------------------------------------ the layers above the engine
+def _reducer_reads(tree: ast.AST) -> list[ast.AST]:
+    """``x.reducer`` and ``getattr(x, "reducer")``; a module path (``lightning_ddpx.engine.reducer``) is not."""
+    found: list[ast.AST] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "reducer":
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if not (isinstance(root, ast.Name) and root.id == "lightning_ddpx"):
+                found.append(node)
+        elif _attribute_call(node) and node.args[1].value == "reducer":  # type: ignore[attr-defined]
+            found.append(node)
+    return found
+
+
+def test_the_layers_above_the_engine_use_the_module_not_its_reducer() -> None:
+    """The strategies, the hooks, the fault tolerance and the tooling talk to DistributedDataParallel's
+    public surface (``model.comm_hook``, ``model.updates_parameters_in_backward``, ...); the reducer is the
+    engine's own. Every package but the engine, sub-packages included."""
+    offenders = [
+        f"{_where(path, node)}: {ast.unparse(node)}"
+        for module, path in _sources().items()
+        if _layer(module) not in ("engine", "")
+        for node in _reducer_reads(_tree(path))
+    ]
     assert not offenders, offenders
+
+
+def test_the_reducer_scan_sees_each_form() -> None:
+    code = """
+import lightning_ddpx.engine.reducer.comm_stats
+def f(model):
+    model.reducer.overlap, getattr(model, "reducer"), model.module.reducer, model._reducer
+"""
+    found = [ast.unparse(node) for node in _reducer_reads(ast.parse(code))]
+    assert sorted(found) == ["getattr(model, 'reducer')", "model.module.reducer", "model.reducer"]
+    # and a private member of another unit (the module's) is the private-member scan's
+    assert [read.name for read in _private_reads(ast.parse(code))] == ["model._reducer"]
 
 
 # ------------------------------------------------------------------------------------------ the page
@@ -501,7 +531,11 @@ def _resolve(name: str) -> object:
     raise ImportError(name)
 
 
-ROOMS_TABLES = {"engine": "## The engine's rooms", "lightning": "## The Lightning layer's rooms"}
+ROOMS_TABLES = {
+    "engine": "## The engine's rooms",
+    "fault": "## The rooms of fault/",
+    "lightning": "## The Lightning layer's rooms",
+}
 
 
 @pytest.mark.parametrize("package", ROOMED)

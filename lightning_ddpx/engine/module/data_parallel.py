@@ -805,6 +805,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         return overlap.optimizer if overlap is not None else None
 
     @property
+    def updates_parameters_in_backward(self) -> bool:
+        """Whether backward also steps an optimizer (:meth:`overlap_optimizer_with`, or torch's optimizers in
+        backward taken over): the parameters change before the step is over (fault tolerance refuses it)."""
+        return self.reducer.overlap is not None or self.reducer.in_backward is not None
+
+    @property
     def optimizer_stepped_in_backward(self) -> bool:
         """Whether the last synchronised backward stepped the overlapped optimizer (until the next forward)."""
         overlap = self.reducer.overlap

@@ -568,6 +568,10 @@ class Reducer:
         self.start.remove()  # the last outputs' pre-hooks (they stay on until the next forward)
         self.transport.close()
         self.progress.close()
+        # Each readiness closure holds this reducer (a cycle): let go of them, so that a closed reducer -- and
+        # the process group it holds -- is freed by reference counting, not at the next full collection. A
+        # fault-tolerant member's peers wait on that group's connections until they close (fault/generations.py).
+        self._gradient_ready = []
 
     def adopt_params(
         self,

@@ -21,7 +21,7 @@ the hook handed to the fault tolerance (:func:`attach_hook`), the membership rec
   runs through ``FaultTolerance.average_after_step``: snapshotted, voted on, put back and rerun over the
   survivors.
 - **Epoch boundaries.** At each training epoch's start (when the fit loop sets the samplers' epoch, or at its
-  first batch without a sampler) the members pass :meth:`FaultTolerance.boundary`: replacements waiting are
+  first batch without a sampler) the members pass :meth:`StepProtocol.boundary <lightning_ddpx.fault.steps.StepProtocol.boundary>`: replacements waiting are
   admitted there, and only there, because that is where a Lightning checkpoint resumes exactly. The
   lowest-ranked live peer sends the newcomer what ``trainer.save_checkpoint`` would write (module,
   optimizers, schedulers, loops, callbacks, precision), which the newcomer's ``fit`` restores as from
@@ -55,9 +55,7 @@ from torch import nn
 from torch.utils.data import DistributedSampler
 
 from lightning_ddpx.engine.module.data_parallel import DistributedDataParallel
-from lightning_ddpx.fault.manager import (
-    FaultTolerance,
-)
+from lightning_ddpx.fault.manager import FaultTolerance
 from lightning_ddpx.fault.membership import FaultToleranceError
 from lightning_ddpx.fault.options import FaultToleranceOptions
 from lightning_ddpx.lightning import _compat as lightning_compat
@@ -127,17 +125,11 @@ def refuse_several_machines(num_nodes: int) -> None:
 
 
 def attach_hook(fault: FaultTolerance, model: DistributedDataParallel, config: "DDPXConfig") -> None:
-    """Hand ``model`` and the configured hook (a name: ``check_options`` refused the rest) to the fault
-    tolerance, which builds the hook so that it follows the membership (both strategies)."""
-    fault.attach(
-        model,
-        comm_hook=config.comm_hook,
-        comm_wrapper=config.comm_wrapper,
-        powersgd=config.powersgd,
-        diloco=config.diloco,
-        post_local_sgd=config.post_local_sgd if config.comm_hook == "post_local_sgd" else None,
-        synchronized=fault.generation.number == 1,
-    )
+    """Register the configured hook (a name: ``check_options`` refused the rest) through the one route
+    that builds hooks, ``DDPXConfig.register_hook``, and hand ``model`` to the fault tolerance, which makes
+    the hook follow the membership (both strategies)."""
+    config.register_hook(model, follow_default_group=True)  # each generation's group, not the first's
+    fault.attach(model, comm_hook=config.comm_hook, synchronized=fault.generation.number == 1)
 
 
 def membership_record(fault: FaultTolerance) -> dict[str, Any]:
@@ -254,8 +246,8 @@ class FaultTolerantTrainerRun(TrainerRun):
         newcomer's checkpoint if this is one, and pin the loggers' versions to the run's."""
         self.trainer = trainer
         fault = self.fault = join_following_ranks(self.options, environment)
-        fault.use_state(self._dump, self._load)
-        fault.receive_state()
+        fault.healer.use_state(self._dump, self._load)
+        fault.protocol.receive_state()
         self._pin_logger_versions(fault)
         return fault
 
@@ -322,7 +314,7 @@ class FaultTolerantTrainerRun(TrainerRun):
         if fault is None or trainer is None or self._boundary_epoch == trainer.current_epoch:
             return
         self._boundary_epoch = trainer.current_epoch
-        fault.boundary(admit=True)
+        fault.protocol.boundary(admit=True)
         if fault.stats.newcomers_healed != self._healed:
             self._healed = fault.stats.newcomers_healed
             self._state_check_due = True
@@ -400,7 +392,7 @@ class FaultTolerantTrainerRun(TrainerRun):
         if self.fault is None or self._step_begun:
             return
         self._step_begun = True
-        self.fault.prepare_step()
+        self.fault.protocol.prepare_step()
 
     def accumulating_step(self, run: Callable[[], Any], device: torch.device) -> Any:
         """A micro-batch's ``training_step`` that accumulates locally (gradient accumulation): between steps
@@ -540,10 +532,10 @@ class FaultTolerantTrainerRun(TrainerRun):
 
     def agree(self, decision: bool) -> bool:
         """A boolean decision between steps, one on every member even if its collective failed on some
-        (:meth:`FaultTolerance.agree`); as given outside a training process."""
+        (:meth:`~lightning_ddpx.fault.steps.StepProtocol.agree`); as given outside a training process."""
         if self.fault is None:
             return decision
-        return self.fault.agree(decision)
+        return self.fault.protocol.agree(decision)
 
     def close(self) -> None:
         self.metrics.release()

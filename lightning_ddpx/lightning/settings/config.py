@@ -364,19 +364,22 @@ class DDPXConfig:
             return loader
         return LockstepLoader(loader, self.uneven_inputs, process_group, device, steps, for_fabric)  # type: ignore[arg-type]
 
-    def register_hook(self, module: DistributedDataParallel) -> Any:
+    def register_hook(self, module: DistributedDataParallel, follow_default_group: bool = False) -> Any:
         """Build the hook (a new state per module for named hooks), register it; return its state.
 
         ``comm_hook=None`` registers nothing: the module's default is torch's mean allreduce, bit for bit.
         A state that brings parameter averaging (post-local SGD, DiLoCo) is bound to the module by the
-        registration; the module runs it at ``average_parameters_after_step()``.
+        registration; the module runs it at ``average_parameters_after_step()``. ``follow_default_group``: a
+        named hook's state uses the default group of the moment instead of the module's group now (fault
+        tolerance builds a new default group for each membership).
         """
         if self.comm_hook is None:
             return None
         if isinstance(self.comm_hook, str):
             options = {keyword: getattr(self, argument) for argument, keyword in _OPTIONS_ARGUMENTS.items()}
+            group = None if follow_default_group else module.process_group
             state, hook = build_comm_hook(
-                self.comm_hook, process_group=module.process_group, wrapper=self.comm_wrapper, **options
+                self.comm_hook, process_group=group, wrapper=self.comm_wrapper, **options
             )
         else:
             state, hook = post_local_sgd_setup.adopt_torch_state(

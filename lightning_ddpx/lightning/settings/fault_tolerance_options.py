@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_ddpx.fault.manager import check_post_local_sgd_options, refuse_unsupported_hook
+from lightning_ddpx.fault.checks import check_post_local_sgd_options, refuse_unsupported_hook
 
 __all__ = ["check_options"]
 
