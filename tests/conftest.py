@@ -51,6 +51,21 @@ def restore_hook_registry() -> Iterator[None]:
     registry._REGISTRY.update(before)
 
 
+@pytest.fixture(autouse=True)
+def torch_backend_flags_left_as_found() -> Iterator[None]:
+    """Importing torch's own test helpers (``torch.testing._internal``, which some tests use as oracles)
+    freezes ``torch.backends``' global flags for the whole process (``disable_global_flags``); every later
+    ``Trainer(...)`` in it then fails setting ``cudnn.benchmark``. A test leaves the flags as it found them,
+    so no test depends on which ran before it."""
+    import torch.backends
+
+    frozen = torch.backends.flags_frozen()
+    yield
+    if not frozen and torch.backends.flags_frozen():
+        # the switch disable_global_flags() turns off, in the globals its functions read
+        torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
+
+
 # ------------------------------------------------------------------------------------ the fast tier's rule
 PROCESSES_MARKER = "processes"
 # Every way Python starts a process, as (owner, attribute, what it starts). multiprocessing's own helper
