@@ -43,11 +43,14 @@ SUPPORTED_HOOKS = (
 )
 
 
-def check_backend(backend: str) -> None:
+def check_backend(backend: str, who: str = "FaultTolerance", option: str = "backend") -> None:
+    """Refuse a process group backend whose groups cannot be rebuilt after a lost rank: the one rule for the
+    bare module (``FaultTolerance(backend=...)``) and both strategies (``who="DDPXStrategy"``,
+    ``option="process_group_backend"``), each naming its own option."""
     if backend != "gloo":
         raise ValueError(
-            f"lightning_ddpx fault tolerance: backend {backend!r} is not supported yet; only 'gloo' rebuilds "
-            "its groups after a lost rank (NCCL needs its communicators aborted)."
+            f"{who}: fault_tolerance needs the gloo backend ({option}='gloo'), got {backend!r}: only gloo's "
+            "groups can be rebuilt after a lost rank."
         )
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from lightning_ddpx.fault import checks
 from lightning_ddpx.fault.phases import MemberPhase, Phases
+from lightning_ddpx.lightning.fault_tolerance import runs
 
 H, V, R, S, T = (
     MemberPhase.HEAL_DUE,
@@ -84,3 +86,26 @@ def test_only_a_regroup_has_a_reason() -> None:
     assert phases.regroup_due and phases.reason == "step 3 failed"
     phases.move(S)
     assert phases.reason is None
+
+
+@pytest.mark.parametrize(
+    ("check", "named"),
+    [
+        (
+            lambda backend: checks.check_backend(backend),
+            "FaultTolerance: fault_tolerance needs the gloo backend (backend='gloo')",
+        ),
+        (
+            lambda backend: runs.check_backend(backend),
+            "DDPXStrategy: fault_tolerance needs the gloo backend (process_group_backend='gloo')",
+        ),
+    ],
+    ids=["bare-module", "strategies"],
+)
+def test_the_gloo_rule_is_one_and_names_each_callers_option(check, named) -> None:
+    """One rule refuses a backend whose groups cannot be rebuilt; the bare module and the strategies each
+    name their own option in it."""
+    check("gloo")
+    with pytest.raises(ValueError) as raised:
+        check("nccl")
+    assert str(raised.value).startswith(named) and "got 'nccl'" in str(raised.value)

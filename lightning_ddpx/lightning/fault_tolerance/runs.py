@@ -55,6 +55,7 @@ from torch import nn
 from torch.utils.data import DistributedSampler
 
 from lightning_ddpx.engine.module.data_parallel import DistributedDataParallel
+from lightning_ddpx.fault.checks import check_backend as refuse_backend
 from lightning_ddpx.fault.manager import FaultTolerance
 from lightning_ddpx.fault.membership import FaultToleranceError
 from lightning_ddpx.fault.options import FaultToleranceOptions
@@ -94,12 +95,9 @@ _LOGGER_VERSIONS_KEY = "ft/lightning/logger_versions"
 
 
 def check_backend(backend: str) -> None:
-    """Refuse a process group backend whose groups cannot be rebuilt after a lost rank (both strategies)."""
-    if backend != "gloo":
-        raise ValueError(
-            f"DDPXStrategy: fault_tolerance needs the gloo backend (process_group_backend='gloo'), got "
-            f"{backend!r}: only gloo's groups can be rebuilt after a lost rank."
-        )
+    """Refuse a process group backend whose groups cannot be rebuilt after a lost rank (both strategies):
+    fault/'s rule, naming the strategies' option."""
+    refuse_backend(backend, who="DDPXStrategy", option="process_group_backend")
 
 
 def fault_tolerant_environment(given: Optional["ClusterEnvironment"]) -> "ClusterEnvironment":
