@@ -3,6 +3,7 @@ ones in the results files they cite."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -116,14 +117,12 @@ def _lookup(data: object, key: str) -> object:
     return data
 
 
+@functools.cache
 def _results(file: str) -> dict:
     """The results a marker cites, as the benchmark's own code reads them."""
     path = ROOT / "benchmarks" / "results" / file
     if path.suffix == ".jsonl":
-        from benchmarks.sweep_diloco import summaries
-
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        return {"settings": summaries(rows)}
+        return {"rows": [json.loads(line) for line in path.read_text().splitlines() if line.strip()]}
     results = json.loads(path.read_text())
     if file.startswith("convergence/") and "runs" in results:
         from benchmarks.bench_convergence import link_report
@@ -131,6 +130,29 @@ def _results(file: str) -> dict:
 
         results["rows"] = rows_as_json(link_report(results, None, TOLERANCE)[1])
     return results
+
+
+@functools.cache
+def _sweep_setting(file: str, ident: str) -> dict:
+    """A sweep setting's summary (``benchmarks.sweep_diloco.summaries``) by its id; ``id@0-19`` or ``id@0,2``
+    summarises those seeds only, as the page quotes a subset."""
+    from benchmarks.sweep_diloco import summaries
+
+    name, _, seeds = ident.partition("@")
+    rows = _results(file)["rows"]
+    if seeds:
+        first, _, last = seeds.partition("-")
+        wanted = set(range(int(first), int(last) + 1)) if last else {int(x) for x in seeds.split(",")}
+        rows = [row for row in rows if row.get("seed", 0) in wanted]
+    return next(summary for summary in summaries(rows) if summary["id"] == name)
+
+
+def _value(file: str, key: str) -> object:
+    """What a marker's key holds; a sweep's key is ``[setting id].field``."""
+    if file.endswith(".jsonl"):
+        ident, _, rest = key.partition("].")
+        return _lookup(_sweep_setting(file, ident.removeprefix("[")), rest)
+    return _lookup(_results(file), key)
 
 
 def _sections(text: str) -> list[str]:
@@ -148,16 +170,12 @@ def _problems(figures: list[tuple[str, str, str, str, str, str | None]]) -> list
     """What is wrong with each figure: its value against its file, what its section fails to state, a median
     or a ratio over seeds quoted without its spread. Each names the page, the section and the figure."""
     wrong = []
-    loaded: dict[str, dict] = {}
     for page, section, shown, file, key, scale in figures:
         heading = section.splitlines()[0][:60] if section.strip() else "(top)"
         where = f"{page}, section {heading!r}, figure {shown} ({file} {key})"
-        if file not in loaded:
-            loaded[file] = _results(file)
-        results = loaded[file]
-        key = key if not file.endswith(".jsonl") else f"settings.{key}"
+        results = _results(file)
         try:
-            value = float(_lookup(results, key)) * float(scale or 1)
+            value = float(_value(file, key)) * float(scale or 1)
         except (KeyError, IndexError, StopIteration, TypeError, ValueError) as error:
             wrong.append(f"{where}: the key holds no number ({type(error).__name__}: {error})")
             continue
@@ -182,8 +200,8 @@ def _problems(figures: list[tuple[str, str, str, str, str, str | None]]) -> list
         for ending, spreads in ((".median", MEDIAN_SPREADS), (".ratio", RATIO_SPREADS)):
             if not key.endswith(ending):
                 continue
-            parent = key[: -len(ending) + 1].removeprefix("settings.")
-            if ending == ".ratio" and _lookup(results, key[: -len("ratio")] + "ratio_se") is None:
+            parent = key[: -len(ending) + 1]
+            if ending == ".ratio" and _value(file, parent + "ratio_se") is None:
                 continue  # one seed: no spread to give
             if not any(all(parent + k in cited for k in keys) for keys in spreads):
                 wrong.append(
