@@ -235,6 +235,8 @@ def summaries(rows: list[dict]) -> list[dict]:
             "diff": bench["diff"],
             "diff_se": bench["diff_se"],
             "per_seed": {str(s): d for (s, _, _), d in zip(pairs, bench["diffs"])},
+            "ddp_per_seed": {str(s): d[0] for (s, _, _), d in zip(pairs, refs)},
+            "bytes_per_step": sum(r.get("bytes_per_step", 0.0) for _, r, _ in pairs) / len(pairs),
             "window": None,
         }
         if every < 20:
