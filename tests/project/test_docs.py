@@ -161,8 +161,17 @@ def _value(file: str, key: str) -> object:
 
 
 def _sections(text: str) -> list[str]:
-    """The page cut at its headings: a figure's command, machine and date are stated once per section."""
-    return re.split(r"(?m)^#{1,6} ", text)
+    """The page cut at its headings (not at a shell comment in a code block): a figure's command, machine and
+    date are stated once per section."""
+    sections, lines, fenced = [], [], False
+    for line in text.splitlines(keepends=True):
+        fenced ^= line.startswith("```")
+        if not fenced and re.match(r"#{1,6} ", line):
+            sections.append("".join(lines))
+            lines = [line.lstrip("#").lstrip()]
+        else:
+            lines.append(line)
+    return [*sections, "".join(lines)]
 
 
 def _figures(page: str, text: str) -> list[tuple[str, str, str, str, str, str | None]]:
