@@ -62,11 +62,11 @@ def test_the_differences_page_names_tests_that_exist():
 # (``rows`` summarised again, by contender name; ``first_rows`` with the first of two runs) and the sweeps'
 # ``.jsonl`` (``[setting id].field``, each setting's summary; ``[id@0-19]`` over those seeds only).
 FIGURE = re.compile(
-    r"(?<![0-9.])((?:(?<=[\s(*])[+-])?[0-9]+(?:\.[0-9]+)?)(?:\s*(?:x|s|ms|us|µs|%|MiB|MB|kB))?\**\s*"
+    r"(?<![0-9.,])((?:(?<=[\s(*])[+-])?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?)(?:\s*(?:x|s|ms|us|µs|%|MiB|MB|kB))?\**\s*"
     r"<!-- figure: (\S+) (\S+)(?: \*(\S+))? -->"
 )
 MEDIAN_SPREADS = (("min", "max"), ("low", "high"), ("ci95.0", "ci95.1"))
-RATIO_SPREADS = (("ratio_se",), ("low", "high"))
+RATIO_SPREADS = (("ratio_se",), ("low", "high"), ("ratio_ci_low", "ratio_ci_high"))
 COMMAND = re.compile(r"python (?:benchmarks/\w+\.py|-m lightning_ddpx\.bench)")
 # Results written before the benchmarks recorded their environment (command, CPU count, load, date): the page
 # must still state the cores, the load and a date for their figures, from the runs' notes (each convergence
@@ -152,6 +152,16 @@ def _sweep_setting(file: str, ident: str) -> dict:
     return next(summary for summary in summaries(rows) if summary["id"] == name)
 
 
+def _has_spread(file: str, parent: str) -> bool:
+    for keys in RATIO_SPREADS:
+        try:
+            if _value(file, parent + keys[0]) is not None:
+                return True
+        except (KeyError, IndexError, StopIteration, TypeError):
+            pass
+    return False
+
+
 def _value(file: str, key: str) -> object:
     """What a marker's key holds; a sweep's key is ``[setting id].field``."""
     if file.endswith(".jsonl"):
@@ -195,7 +205,7 @@ def _problems(figures: list[tuple[str, str, str, str, str, str | None]]) -> list
             wrong.append(f"{where}: the key holds no number ({type(error).__name__}: {error})")
             continue
         digits = len(shown.partition(".")[2])
-        if abs(value - float(shown)) > 0.5 * 10**-digits + 1e-12:
+        if abs(value - float(shown.replace(",", ""))) > 0.5 * 10**-digits + 1e-12:
             wrong.append(f"{where}: the file holds {value:.{digits + 2}f}")
         environment = results.get("environment")
         if environment is None:
@@ -216,8 +226,8 @@ def _problems(figures: list[tuple[str, str, str, str, str, str | None]]) -> list
             if not key.endswith(ending):
                 continue
             parent = key[: -len(ending) + 1]
-            if ending == ".ratio" and _value(file, parent + "ratio_se") is None:
-                continue  # one seed: no spread to give
+            if ending == ".ratio" and not _has_spread(file, parent):
+                continue  # one seed, or a file that records no spread for it: none to give
             if not any(all(parent + k in cited for k in keys) for keys in spreads):
                 wrong.append(
                     f"{where}: quoted without its spread ({' or '.join('+'.join(k) for k in spreads)})"
