@@ -66,7 +66,12 @@ FIGURE = re.compile(
     r"<!-- figure: (\S+) (\S+)(?: \*(\S+))? -->"
 )
 MEDIAN_SPREADS = (("min", "max"), ("low", "high"), ("ci95.0", "ci95.1"))
-RATIO_SPREADS = (("ratio_se",), ("low", "high"), ("ratio_ci_low", "ratio_ci_high"))
+RATIO_SPREADS = (
+    ("ratio_se",),
+    ("low", "high"),
+    ("ratio_ci_low", "ratio_ci_high"),
+    ("ratio_p25", "ratio_p75"),
+)
 COMMAND = re.compile(r"python (?:benchmarks/\w+\.py|-m lightning_ddpx\.bench)")
 # Results written before the benchmarks recorded their environment (command, CPU count, load, date): the page
 # must still state the cores, the load and a date for their figures, from the runs' notes (each convergence
