@@ -62,7 +62,7 @@ def test_the_differences_page_names_tests_that_exist():
 # (``rows`` summarised again, by contender name; ``first_rows`` with the first of two runs) and the sweeps'
 # ``.jsonl`` (``[setting id].field``, each setting's summary; ``[id@0-19]`` over those seeds only).
 FIGURE = re.compile(
-    r"(?<![0-9.,])((?:(?<=[\s(*])[+-])?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?)(?:\s*(?:x|s|ms|us|µs|%|MiB|MB|kB))?\**\s*"
+    r"(?<![0-9.,])((?:(?<=[\s(*[])[+-])?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?)(?:\s*(?:x|s|ms|us|µs|%|MiB|MB|kB))?\**\s*"
     r"<!-- figure: (\S+) (\S+)(?: \*(\S+))? -->"
 )
 MEDIAN_SPREADS = (("min", "max"), ("low", "high"), ("ci95.0", "ci95.1"))
