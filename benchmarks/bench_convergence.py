@@ -27,6 +27,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import environment_info  # noqa: E402
 from lightning_ddpx.bench.convergence import (  # noqa: E402
     TOLERANCE,
     accuracy_verdicts,
@@ -96,7 +97,8 @@ def measure(args: argparse.Namespace, task: str, link: str) -> None:
     print(f"== {task} over {link}: {len(todo)} contenders x {steps} steps", flush=True)
 
     def done(name: str, record: dict) -> None:
-        saved["runs"][name] = record
+        # each contender with its own machine, load and date
+        saved["runs"][name] = {**record, "environment": environment_info()}
         with open(path + ".tmp", "w") as f:
             json.dump(saved, f)
         os.replace(path + ".tmp", path)
@@ -113,6 +115,28 @@ def measure(args: argparse.Namespace, task: str, link: str) -> None:
     )
 
 
+def link_report(saved: dict, target: float | None, tolerance: float) -> tuple[list, list, float, str]:
+    """One link's saved runs summarised: the contenders in table order, their summary rows, the target and
+    the markdown the docs show (heading line, the table, the recommendation). ``--plot-only`` and the test
+    that keeps docs/convergence.md in step with the results both call this."""
+    runs = saved["runs"]
+    order = convergence_contenders_named(
+        [n for n in (c.name for c in convergence_contenders_named(None)) if n in runs]
+    )
+    target = target if target is not None else default_target(runs, "max", tolerance)
+    rows = summarize_runs(order, runs, target, "max", tolerance)
+    text = "\n".join(
+        [
+            f"**{saved['link']}**, {saved['max_steps']} steps, validation every {saved['val_every']}:\n",
+            "```",
+            render_convergence_table(rows, "val_acc", target),
+            "```",
+            recommend_from_convergence(rows, "val_acc", tolerance) + "\n",
+        ]
+    )
+    return order, rows, target, text
+
+
 def report(args: argparse.Namespace, task: str) -> None:
     panels, targets, lines = {}, {}, [f"### {task}\n"]
     for link in args.links:
@@ -121,20 +145,9 @@ def report(args: argparse.Namespace, task: str) -> None:
             continue
         with open(path) as f:
             saved = json.load(f)
-        runs = saved["runs"]
-        order = convergence_contenders_named(
-            [n for n in (c.name for c in convergence_contenders_named(None)) if n in runs]
-        )
-        target = args.target if args.target is not None else default_target(runs, "max", args.tolerance)
-        rows = summarize_runs(order, runs, target, "max", args.tolerance)
-        panels[link], targets[link] = {c.name: runs[c.name] for c in order}, target
-        lines += [
-            f"**{link}**, {saved['max_steps']} steps, validation every {saved['val_every']}:\n",
-            "```",
-            render_convergence_table(rows, "val_acc", target),
-            "```",
-            recommend_from_convergence(rows, "val_acc", args.tolerance) + "\n",
-        ]
+        order, rows, target, text = link_report(saved, args.target, args.tolerance)
+        panels[link], targets[link] = {c.name: saved["runs"][c.name] for c in order}, target
+        lines.append(text)
         saved["rows"], saved["target"], saved["accuracy"] = (
             rows_as_json(rows),
             target,

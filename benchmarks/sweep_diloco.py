@@ -31,6 +31,7 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import environment_info  # noqa: E402
 from lightning_ddpx.bench.launch import run_ranks  # noqa: E402
 
 
@@ -79,6 +80,7 @@ def run_one(
         "curve": [(v["step"], round(v["val_loss"], 4), round(v["metric"], 4)) for v in val],
         "wall_s": time.monotonic() - started,
         "loadavg_1min": record["loadavg_1min"],
+        "environment": environment_info(),  # the command, the machine and the date of this run
     }
 
 
@@ -157,13 +159,6 @@ def paired(ours: list[float], ddp: list[float]) -> dict:
     return out
 
 
-def _pct(value: float, se: float | None = None, t95: float | None = None) -> str:
-    text = f"{100 * value:+.1f} %"
-    if se is not None:
-        text += f" ± {100 * se:.1f} ({100 * (value - t95 * se):+.1f} .. {100 * (value + t95 * se):+.1f})"
-    return text
-
-
 def _seeds(seeds: list[int]) -> str:
     seeds = sorted(seeds)
     if len(seeds) > 3 and seeds == list(range(seeds[0], seeds[-1] + 1)):
@@ -171,8 +166,17 @@ def _seeds(seeds: list[int]) -> str:
     return ",".join(map(str, seeds))
 
 
-def table(rows: list[dict]) -> str:
-    """The markdown table of every DiLoCo setting against torch's DDP on the same seeds."""
+def setting_id(task: str, steps: int, every: int, evaluate: str, name: str) -> str:
+    """A summary's name without spaces, as the docs' figure markers cite it:
+    ``digits/160/5/global/H=20,lr=0.7,mom=0.3,int4``."""
+    return "/".join((task, str(steps), str(every), evaluate, name.replace(" ", "")))
+
+
+def summaries(rows: list[dict]) -> list[dict]:
+    """Every DiLoCo setting in ``rows`` against torch's DDP on the same seeds, in the table's order: the seed
+    means, the paired ratio with its standard error and 95 % interval, the per-seed differences, the window
+    figures (runs validated more often than every 20 steps) and the bytes. The table and the docs' figures
+    both read these, so a figure on a page is the one this returns for its results file."""
     ddp: dict[tuple, dict] = {}  # (task, steps, seed, val_every) -> row; later rows win
     groups: dict[tuple, dict[int, dict]] = defaultdict(dict)
     for row in rows:
@@ -201,17 +205,11 @@ def table(rows: list[dict]) -> str:
             label(setting),
         )
 
-    lines = [
-        "| task | steps | val. every | validated | setting | seeds | val_loss (torch's DDP) | vs DDP: ratio of "
-        "means ± SE (95 % CI) | per-seed diff.: mean ± SE | window mean (torch's DDP) | window: ratio ± SE "
-        "(95 % CI) | x fewer sent | x fewer received |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    out = []
     for key in sorted(groups, key=sort_key):
         task, steps, every, evaluate, setting = key
-        runs = groups[key]
         pairs = []
-        for seed, row in sorted(runs.items()):
+        for seed, row in sorted(groups[key].items()):
             ref = ddp.get((task, steps, seed, every)) or next(
                 (r for (t, s, sd, _), r in ddp.items() if (t, s, sd) == (task, steps, seed)), None
             )
@@ -222,30 +220,82 @@ def table(rows: list[dict]) -> str:
         ours = [final_losses(r) for _, r, _ in pairs]
         refs = [final_losses(r) for _, _, r in pairs]
         bench = paired([o[0] for o in ours], [d[0] for d in refs])
-        cells = [
-            task,
-            str(steps),
-            str(every),
-            evaluate,
-            label(json.loads(setting)),
-            _seeds([s for s, _, _ in pairs]),
-            f"{sum(o[0] for o in ours) / len(ours):.4f} ({sum(d[0] for d in refs) / len(refs):.4f})",
-            _pct(bench["ratio"], bench["ratio_se"], bench["t95"]),
-            _pct(bench["diff"])
-            + (f" ± {100 * bench['diff_se']:.1f}" if bench["diff_se"] is not None else ""),
-        ]
+        name = label(json.loads(setting))
+        summary = {
+            "id": setting_id(task, steps, every, evaluate, name),
+            "task": task,
+            "steps": steps,
+            "val_every": every,
+            "evaluate": evaluate,
+            "label": name,
+            "seeds": [s for s, _, _ in pairs],
+            "loss": sum(o[0] for o in ours) / len(ours),
+            "ddp_loss": sum(d[0] for d in refs) / len(refs),
+            **_interval(bench),
+            "diff": bench["diff"],
+            "diff_se": bench["diff_se"],
+            "per_seed": {str(s): d for (s, _, _), d in zip(pairs, bench["diffs"])},
+            "ddp_per_seed": {str(s): d[0] for (s, _, _), d in zip(pairs, refs)},
+            "bytes_per_step": sum(r.get("bytes_per_step", 0.0) for _, r, _ in pairs) / len(pairs),
+            "window": None,
+        }
         if every < 20:
             window = paired([o[1] for o in ours], [d[1] for d in refs])
-            cells += [
-                f"{sum(o[1] for o in ours) / len(ours):.4f} ({sum(d[1] for d in refs) / len(refs):.4f})",
-                _pct(window["ratio"], window["ratio_se"], window["t95"]),
-            ]
-        else:
-            cells += ["", ""]
+            summary["window"] = {
+                "loss": sum(o[1] for o in ours) / len(ours),
+                "ddp_loss": sum(d[1] for d in refs) / len(refs),
+                **_interval(window),
+            }
         fewer = [r["bytes_vs_ddp"] for _, r, _ in pairs if r.get("bytes_vs_ddp")]
-        cells.append(f"{sum(fewer) / len(fewer):.0f}" if fewer else "")
+        summary["fewer_sent"] = sum(fewer) / len(fewer) if fewer else None
         fewer = [r["received_vs_ddp"] for _, r, _ in pairs if r.get("received_vs_ddp")]
-        cells.append(f"{sum(fewer) / len(fewer):.0f}" if fewer else "")
+        summary["fewer_received"] = sum(fewer) / len(fewer) if fewer else None
+        out.append(summary)
+    return out
+
+
+def _interval(result: dict) -> dict:
+    """The ratio less one, its standard error and its 95 % t interval (None with one seed)."""
+    ratio, se, t95 = result["ratio"], result["ratio_se"], result["t95"]
+    low, high = (None, None) if se is None else (ratio - t95 * se, ratio + t95 * se)
+    return {"ratio": ratio, "ratio_se": se, "low": low, "high": high}
+
+
+def _pct_of(result: dict) -> str:
+    text = f"{100 * result['ratio']:+.1f} %"
+    if result["ratio_se"] is not None:
+        text += (
+            f" ± {100 * result['ratio_se']:.1f} ({100 * result['low']:+.1f} .. {100 * result['high']:+.1f})"
+        )
+    return text
+
+
+def table(rows: list[dict]) -> str:
+    """The markdown table of every DiLoCo setting against torch's DDP on the same seeds."""
+    lines = [
+        "| task | steps | val. every | validated | setting | seeds | val_loss (torch's DDP) | vs DDP: ratio of "
+        "means ± SE (95 % CI) | per-seed diff.: mean ± SE | window mean (torch's DDP) | window: ratio ± SE "
+        "(95 % CI) | x fewer sent | x fewer received |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summaries(rows):
+        window = s["window"]
+        cells = [
+            s["task"],
+            str(s["steps"]),
+            str(s["val_every"]),
+            s["evaluate"],
+            s["label"],
+            _seeds(s["seeds"]),
+            f"{s['loss']:.4f} ({s['ddp_loss']:.4f})",
+            _pct_of(s),
+            f"{100 * s['diff']:+.1f} %"
+            + (f" ± {100 * s['diff_se']:.1f}" if s["diff_se"] is not None else ""),
+            "" if window is None else f"{window['loss']:.4f} ({window['ddp_loss']:.4f})",
+            "" if window is None else _pct_of(window),
+            "" if s["fewer_sent"] is None else f"{s['fewer_sent']:.0f}",
+            "" if s["fewer_received"] is None else f"{s['fewer_received']:.0f}",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -63,6 +63,9 @@ def render_convergence_table(rows: list[ConvergenceRow], metric: str, target: fl
         "MB to target",
         "final val_loss",
     ]
+    if all(r.received_vs_torch is None for r in rows):  # only an all-gather receives more than it sends
+        header.pop(9)
+        body = [cells[:9] + cells[10:] for cells in body]
     return format_table(header, body)
 
 
