@@ -3,13 +3,14 @@ strategy names whichever is imported first, and every module path from before th
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import pytest
 
 import lightning_ddpx
-from tests.dist_utils import job_env, run_job, run_jobs
+from tests.dist_utils import run_job
 
 
 def _python(code: str) -> str:
@@ -92,22 +93,10 @@ LIGHTNING_LAYER = sorted(
 def test_any_lightning_layer_module_imported_first_registers_the_names() -> None:
     """Importing a module of the Lightning layer first imports Lightning, whose import registers our names:
     that must not meet one of our modules half-initialised (a warning would say the registration failed).
-    One fresh interpreter per module, two at a time (the machine's two cores)."""
-    failures = []
-    for pair in (LIGHTNING_LAYER[i : i + 2] for i in range(0, len(LIGHTNING_LAYER), 2)):
-        commands = [([sys.executable, "-c", _imported_first(module)], job_env()) for module in pair]
-        for module, done in zip(pair, run_jobs(commands, timeout=120)):
-            lines = done.stdout.strip().splitlines()
-            if done.returncode != 0 or not lines or lines[-1] != "True":
-                failures.append(
-                    f"{module}: rc {done.returncode}, {done.stdout[-300:]!r} {done.stderr[-1500:]}"
-                )
-    assert not failures, "\n".join(failures)
-
-
-def _imported_first(module: str) -> str:
-    return (
-        "import warnings\nwarnings.simplefilter('error')\n"
-        f"import {module}\n"
-        "from lightning.pytorch.strategies import StrategyRegistry\nprint('ddpx' in StrategyRegistry)"
-    )
+    Each module is imported first in a process of its own (tests/jobs/import_first_job.py)."""
+    result = run_job([sys.executable, "tests/jobs/import_first_job.py", *LIGHTNING_LAYER], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    answers = json.loads(result.stdout.strip().splitlines()[-1])
+    assert sorted(answers) == LIGHTNING_LAYER
+    failures = {module: answer[-1500:] for module, answer in answers.items() if answer != "True"}
+    assert not failures, "\n".join(f"{module}: {answer}" for module, answer in failures.items())
