@@ -9,8 +9,10 @@ codes are seen), running tests/jobs/exit_job.py.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,24 +103,50 @@ def test_an_exception_in_training_exits_nonzero_without_abort(tmp_path):
         assert "failing on purpose at step 3" in stderr
 
 
-# At the old 1-in-4 rate, 12 clean runs miss a regression with p = 0.75**12 = 3 % (20 runs: 0.3 %, at 40 s
-# more of the suite's 30 minutes); a regression that slipped through one CI run meets the next.
+def run_repeated(module: str, args: list[str], repeats: int, root: str) -> list[tuple[int, str]]:
+    """``repeats`` runs of a two-rank job, through tests/jobs/repeat_job.py: per rank one process imports
+    ``module`` once, then each run is a child of it that exits as a script does (interpreter finalisation
+    and all). Returns each child's (return code, output), run by run, rank by rank."""
+    ports = ",".join(str(free_port()) for _ in range(repeats))
+    envs = [
+        job_env(MASTER_ADDR="127.0.0.1", RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2")
+        for rank in (0, 1)
+    ]
+    command = [sys.executable, "tests/jobs/repeat_job.py", root, module, ports, *args]
+    runs = []
+    for rank, done in enumerate(run_jobs([(command, env) for env in envs], JOB_TIMEOUT_S + 20 * repeats)):
+        assert done.returncode == 0, f"rank {rank}'s repeater failed:\n{done.stderr[-3000:]}"
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return [(run["returncode"], Path(run["output"]).read_text()) for attempt in zip(*runs) for run in attempt]
+
+
+def failed_runs(outcomes: list[tuple[int, str]]) -> list[str]:
+    return [
+        f"run {index // 2} rank {index % 2}: rc {rc} {output[-300:]!r}"
+        for index, (rc, output) in enumerate(outcomes)
+        if rc != 0 or ABORT_MARKER in output
+    ]
+
+
+# At the old 1-in-4 rate, 12 clean runs miss a regression with p = 0.75**12 = 3 %; a regression that slipped
+# through one CI run meets the next. The repeats run as children of one process per rank that imported
+# torch and Lightning once (tests/jobs/repeat_job.py): each still ends through the interpreter's own exit.
 RESUME_REPEATS = 12
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # 14 two-process jobs: ~1 min on a quiet 2-core machine, more under load
+@pytest.mark.timeout(600)
 def test_resumed_runs_exit_zero_every_time(tmp_path):
     """The abort was intermittent (about 1 in 4 of these runs before the fix): resume a finished PowerSGD
     run, so fit ends milliseconds after its last collective, 12 times; every rank must exit with 0."""
     root = str(tmp_path)
     assert_clean(run_job("fit", "powersgd", root), what="fit")
     assert_clean(run_job("resume:last.ckpt", "powersgd", root), what="resume to epoch 4")
-    failures = []
-    for attempt in range(RESUME_REPEATS):
-        for rank, (rc, stderr) in enumerate(run_job("resume:last.ckpt", "powersgd", root)):
-            if rc != 0 or ABORT_MARKER in stderr:
-                failures.append(f"attempt {attempt} rank {rank}: rc {rc} {stderr[-300:]!r}")
+    outcomes = run_repeated(
+        "tests.jobs.exit_job", ["resume:last.ckpt", "powersgd", root], RESUME_REPEATS, root
+    )
+    assert len(outcomes) == 2 * RESUME_REPEATS
+    failures = failed_runs(outcomes)
     assert not failures, f"{len(failures)} of {2 * RESUME_REPEATS} processes failed: {failures[:3]}"
 
 
@@ -126,24 +154,12 @@ BARE_REPEATS = 12  # at the old 6-in-20 rate, 12 clean runs miss a regression wi
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # 12 two-process jobs: ~45 s on a quiet 2-core machine
-def test_a_bare_module_job_ending_on_a_collective_exits_zero_every_time():
+@pytest.mark.timeout(600)
+def test_a_bare_module_job_ending_on_a_collective_exits_zero_every_time(tmp_path):
     """No strategy: the script destroys the group while its model still references it, so gloo's workers
     outlive the destroy. Without the engine's exit handler waiting for them, 6 of 20 such jobs aborted
     (torch-only reproduction, the same last collective); 12 in a row must now exit with 0."""
-    failures = []
-    for attempt in range(BARE_REPEATS):
-        port = str(free_port())
-        envs = [
-            job_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE="2")
-            for rank in (0, 1)
-        ]
-        jobs = run_jobs(
-            [([sys.executable, "-m", "tests.jobs.bare_exit_job"], env) for env in envs], JOB_TIMEOUT_S
-        )
-        failures += [
-            f"attempt {attempt} rank {rank}: rc {done.returncode} {done.stderr[-300:]!r}"
-            for rank, done in enumerate(jobs)
-            if done.returncode != 0 or ABORT_MARKER in done.stderr
-        ]
+    outcomes = run_repeated("tests.jobs.bare_exit_job", [], BARE_REPEATS, str(tmp_path))
+    assert len(outcomes) == 2 * BARE_REPEATS
+    failures = failed_runs(outcomes)
     assert not failures, f"{len(failures)} of {2 * BARE_REPEATS} processes failed: {failures[:3]}"
