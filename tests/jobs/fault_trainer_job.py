@@ -8,8 +8,8 @@ weights' digest and how many samples its ``trainer.test`` saw). Each training pr
 ``uid pid generation world_size global_step epoch batch digest hook`` to ``OUT_DIR/<uid>.log`` (``hook``:
 PowerSGD's iteration and a digest of its shared state, or ``-``).
 
-Environment: ``FAULT_JOB_KILL=uid:global_step:point`` makes training process ``uid`` SIGKILL itself at that
-global step, at ``forward`` (in ``training_step``), ``backward`` (from a gradient hook, buckets in flight),
+Environment: ``FAULT_JOB_KILL=uid:global_step:point`` (several, comma-separated: one run, several losses)
+makes training process ``uid`` SIGKILL itself at that global step, at ``forward`` (in ``training_step``), ``backward`` (from a gradient hook, buckets in flight),
 ``optimizer`` (after the members committed the step, before it is applied), ``save`` (inside a checkpoint
 save of ``ModelCheckpoint(every_n_train_steps=2)``) or ``validation`` (in ``validation_step``, whose
 torchmetrics metric the survivors then compute); ``between`` does not kill: checkpoint saving's all-reduce
@@ -18,10 +18,12 @@ others' succeeds. Each validation appends ``global_step val_mse`` to
 ``OUT_DIR/<uid>.val``. ``FAULT_JOB_DEVICES`` (3), ``FAULT_JOB_EPOCHS`` (3),
 ``FAULT_JOB_RESUME`` (a checkpoint for ``fit(ckpt_path=...)``), ``FAULT_JOB_REPLACEMENTS`` (1), ``FAULT_JOB_HOOK`` (``powersgd``: compressing from step 2; ``diloco``,
 ``diloco-streaming``, ``post_local_sgd``: the hook column is then ``count:digest`` of the hook's shared state,
-see ``averaging_digest``), ``FAULT_JOB_PAUSE_S`` (per step while fewer than
-``FAULT_JOB_DEVICES`` members train: time for a replacement to start before the next epoch),
-``FAULT_JOB_UNEVEN`` (no DistributedSampler: each rank its own slice of the data, rank 2's a batch shorter),
+see ``averaging_digest``), ``FAULT_JOB_UNEVEN`` (no DistributedSampler: each rank its own slice of the data, rank 2's a batch shorter),
 ``FAULT_JOB_ACCUMULATE`` (``accumulate_grad_batches``, 1).
+
+While fewer than ``FAULT_JOB_DEVICES`` members train, each batch's end waits for a replacement the launcher
+started to register (:func:`wait_for_a_started_replacement`): it is then admitted at the next epoch's start
+on any machine, fast or loaded, and no step waits when none is on its way.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from lightning_ddpx import DDPXStrategy
 from lightning_ddpx.engine.agreement.errors import CommunicationError
+from lightning_ddpx.fault.launch import KEY_INITIAL_WORLD_SIZE, KEY_REPLACEMENTS_STARTED
 from tests.jobs.fault_job import hook_digest
 
 SAMPLES, BATCH = 96, 4
@@ -66,22 +69,35 @@ def averaging_digest(shared: dict) -> str:
     return f"{shared['averager_step']}:{shared['iter']}"
 
 
+def wait_for_a_started_replacement(store, timeout_s: float = 90.0) -> None:
+    """While a member is missing: if the launcher started a replacement that has not registered yet, wait
+    until it has (at most ``timeout_s``), so that it is admitted at the next epoch's start however slowly it
+    starts on a loaded machine; with no replacement on its way, go on at once."""
+    expected = int(store.get(KEY_INITIAL_WORLD_SIZE)) + int(store.add(KEY_REPLACEMENTS_STARTED, 0))
+    deadline = time.monotonic() + timeout_s
+    while int(store.add("ft/joiner_count", 0)) < expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 class Job(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-        kill = os.environ.get("FAULT_JOB_KILL", "")
-        self.kill_uid, step, self.kill_point = (
-            (kill.split(":") + ["", "", ""])[:3] if kill else ("", "-1", "")
-        )
-        self.kill_step = int(step or -1)
         self.uid = os.environ.get("DDPX_FT_UID", "main")
+        # this process's own (global step, point) pairs of FAULT_JOB_KILL: uid:step:point[,uid:step:point...]
+        self.kills = {
+            (int(step), point)
+            for uid, step, point in (
+                entry.split(":") for entry in os.environ.get("FAULT_JOB_KILL", "").split(",") if entry
+            )
+            if uid == self.uid
+        }
         self.tested = 0
         self.val_mse = torchmetrics.MeanSquaredError()  # synced by torchmetrics itself at the epoch's end
-        if self.kill_point == "backward":
+        if any(point == "backward" for _, point in self.kills):
             self.net[0].weight.register_hook(self._die_in_backward)
-        if self.kill_point == "between" and self.uid == self.kill_uid:
+        if any(point == "between" for _, point in self.kills):
             self._fail_a_collective_between_steps()
 
     def _fail_a_collective_between_steps(self) -> None:
@@ -90,19 +106,14 @@ class Job(L.LightningModule):
         def all_reduce(*args, **kwargs):
             result = real(*args, **kwargs)
             if self._victim_at("between") and not self.trainer.strategy._run.fault.inside_step:
-                self.kill_step = -1  # once
+                self.kills.discard((self.trainer.global_step, "between"))  # once
                 raise CommunicationError(f"injected failure between steps in process {self.uid}")
             return result
 
         torch.distributed.all_reduce = all_reduce
 
     def _victim_at(self, point: str) -> bool:
-        return (
-            self.uid == self.kill_uid
-            and self.kill_point == point
-            and self._trainer is not None
-            and self.trainer.global_step == self.kill_step
-        )
+        return self._trainer is not None and (self.trainer.global_step, point) in self.kills
 
     def maybe_die(self, point: str) -> None:
         if self._victim_at(point):
@@ -158,7 +169,7 @@ class Job(L.LightningModule):
                 f"{self.trainer.global_step} {self.current_epoch} {batch_idx} {digest(self.net)} {hook}\n"
             )
         if fault.world_size < int(os.environ.get("FAULT_JOB_DEVICES", "3")):
-            time.sleep(float(os.environ.get("FAULT_JOB_PAUSE_S", "0")))
+            wait_for_a_started_replacement(fault.store)
 
     def configure_optimizers(self):
         optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
