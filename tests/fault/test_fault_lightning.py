@@ -445,17 +445,10 @@ def test_the_same_trainer_script_runs_across_machines_under_one_launcher_per_mac
 def save_on_three_and_resume_on_two(tmp_path: Path, hook: str):
     """Two epochs on three processes with ``hook`` (no replacement, no failure), then ``fit(ckpt_path=...)``
     of the checkpoint after the second epoch's last step on two processes, for three epochs: that
-    checkpoint's fault-tolerance entry, and the resumed run's ``main.json`` and logs. The first run is also
-    checked as a run without a failure: three processes trained one training, and ``fit`` returned it in the
-    user's process, which trained nothing."""
+    checkpoint's fault-tolerance entry, the first run's ``main.json`` and logs, and the resumed run's."""
     first, first_main, first_logs, _ = run_trainer_job(
         tmp_path / "three", FAULT_JOB_HOOK=hook, FAULT_JOB_EPOCHS="2", FAULT_JOB_REPLACEMENTS="0"
     )
-    assert sorted(first_logs) == ["00000", "00001", "00002"]
-    assert_one_training(first_logs, first_main, epochs=2)
-    assert first_main["status"] == "TrainerStatus.FINISHED"
-    assert Path(first_main["best_model_path"]).exists()
-    assert first_main["pid"] not in {int(lines[0][1]) for lines in first_logs.values()}
     checkpoint = first / "checkpoints" / "epoch=1-step=16.ckpt"
     entry = torch.load(checkpoint, weights_only=False)["lightning_ddpx_fault_tolerance"]
     _, main, logs, _ = run_trainer_job(
@@ -466,7 +459,7 @@ def save_on_three_and_resume_on_two(tmp_path: Path, hook: str):
         FAULT_JOB_REPLACEMENTS="0",
         FAULT_JOB_RESUME=str(checkpoint),
     )
-    return entry, main, logs
+    return entry, main, logs, first_main, first_logs
 
 
 @pytest.mark.slow
@@ -474,8 +467,15 @@ def save_on_three_and_resume_on_two(tmp_path: Path, hook: str):
 @pytest.mark.processes
 def test_a_fault_tolerant_checkpoint_resumes_at_another_world_size_with_powersgds_shared_state(tmp_path):
     """Three processes save (rank 0 of the membership writes; the checkpoint records the world size and
-    PowerSGD's shared state); two resume it with ckpt_path and continue its global step and iteration."""
-    entry, main, logs = save_on_three_and_resume_on_two(tmp_path, "powersgd")
+    PowerSGD's shared state); two resume it with ckpt_path and continue its global step and iteration.
+    The first run has no failure: three processes trained one training, and ``fit`` returned it in the
+    user's process, which trained nothing."""
+    entry, main, logs, first_main, first_logs = save_on_three_and_resume_on_two(tmp_path, "powersgd")
+    assert sorted(first_logs) == ["00000", "00001", "00002"]
+    assert_one_training(first_logs, first_main, epochs=2)
+    assert first_main["status"] == "TrainerStatus.FINISHED"
+    assert Path(first_main["best_model_path"]).exists()
+    assert first_main["pid"] not in {int(lines[0][1]) for lines in first_logs.values()}
     assert (entry["world_size"], entry["hook"]["iteration"]) == (3, 16)
     assert sorted(logs) == ["00000", "00001"]
     first_rows = [lines[0] for lines in logs.values()]
@@ -498,7 +498,7 @@ def test_a_fault_tolerant_diloco_checkpoint_resumes_at_another_world_size_with_i
     """DiLoCo (an outer step every 3 inner steps) under fault tolerance: three processes save, the checkpoint
     holds DiLoCo's whole shared state (inner steps, anchors, outer momentum); two resume it and go on from
     its inner step, with the anchors equal on both at every step."""
-    entry, main, logs = save_on_three_and_resume_on_two(tmp_path, "diloco")
+    entry, main, logs, _, _ = save_on_three_and_resume_on_two(tmp_path, "diloco")
     assert entry["world_size"] == 3 and entry["hook"]["step"] == 16 and entry["hook"]["syncs"] == 5
     assert sorted(logs) == ["00000", "00001"]
     first_rows = [lines[0] for lines in logs.values()]
