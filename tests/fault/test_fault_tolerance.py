@@ -222,7 +222,7 @@ def test_a_member_alive_but_stuck_before_its_vote_is_left_behind_after_the_timeo
 
 def test_a_replacement_heals_from_a_live_peer_after_rank_0_is_killed(tmp_path):
     done, logs = run_fault_job(
-        tmp_path, kill="00000:3:backward", replacements=1, steps=24, pause_s=1.0, FAULT_JOB_FULL_WORLD="3"
+        tmp_path, kill="00000:3:backward", replacements=1, steps=24, FAULT_JOB_FULL_WORLD="3"
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert_consistent(logs, ["00001", "00002"], steps=24)
@@ -254,7 +254,6 @@ def test_the_modules_options_follow_the_new_membership(tmp_path, options):
         kill="00001:3:backward",
         replacements=1,
         steps=16,
-        pause_s=1.0,
         FAULT_JOB_FULL_WORLD="3",
         FAULT_JOB_DDP_OPTIONS=json.dumps(options),
     )
@@ -270,7 +269,6 @@ def test_a_stateless_hook_follows_the_new_membership(tmp_path, hook):
         kill="00002:3:backward",
         replacements=1,
         steps=16,
-        pause_s=1.0,
         hook=hook,
         FAULT_JOB_FULL_WORLD="3",
     )
@@ -312,7 +310,6 @@ def test_powersgd_follows_the_new_membership_and_a_newcomer_gets_its_shared_stat
         kill="00002:4:backward",  # compressing since step 2: buckets of the failed step were compressed
         replacements=1,
         steps=16,
-        pause_s=1.0,
         hook=hook,
         FAULT_JOB_FULL_WORLD="3",
         FAULT_JOB_DDP_OPTIONS=json.dumps(options),
@@ -362,7 +359,6 @@ def run_averaging_job(tmp_path, kill, survivors, hook, options, synced_at, avera
         kill=kill,
         replacements=1,
         steps=16,
-        pause_s=1.0,
         hook=hook,
         FAULT_JOB_FULL_WORLD="3",
         FAULT_JOB_DDP_OPTIONS=json.dumps(options),
@@ -426,7 +422,6 @@ def test_streaming_diloco_reruns_a_failed_fragment_sync_and_heals_a_copy_of_a_li
         kill="00000:6:sync",
         replacements=1,
         steps=16,
-        pause_s=1.0,
         hook="diloco",
         FAULT_JOB_FULL_WORLD="3",
         FAULT_JOB_DDP_OPTIONS=json.dumps(
@@ -482,7 +477,6 @@ def test_post_local_sgd_by_machine_finds_each_memberships_machines_again(tmp_pat
         kill="00001:7:backward",
         replacements=1,
         steps=16,
-        pause_s=1.0,
         hook="post_local_sgd",
         FAULT_JOB_FULL_WORLD="3",
         FAULT_JOB_DDP_OPTIONS=json.dumps({"post_local_sgd": {"start_localSGD_iter": 4, "period": 4}}),

@@ -42,6 +42,7 @@ from torch import nn
 
 from lightning_ddpx.engine.agreement.errors import CommunicationError
 from lightning_ddpx.fault import FaultTolerance, RunEnded
+from lightning_ddpx.fault.launch import KEY_DEAD_COUNT, KEY_INITIAL_WORLD_SIZE, KEY_REPLACEMENTS_STARTED
 
 
 def digest(model: nn.Module) -> str:
@@ -123,14 +124,38 @@ def metric_between_steps(ft: FaultTolerance, me: str, fail: bool, at_step: int) 
     return float(ft.outside_step(reduce, lambda: torch.zeros(1)))
 
 
+_LOSSES_DECIDED = [0]  # losses whose replace-or-not decision by the launcher this process has seen
+
+
+def wait_for_a_started_replacement(ft: FaultTolerance, timeout_s: float = 90.0) -> None:
+    """While a member is missing: if the launcher started a replacement that this member has not seen
+    register yet, wait until it has (at most ``timeout_s``), so that it is admitted at the next boundary
+    that admits however slowly it starts on a loaded machine; with no replacement on its way, return at
+    once. "Seen" as the vote sees joiners (``Membership.joiners_seen``: the heartbeat thread's last read).
+    The launcher records a loss a moment before it counts the replacement it starts: a loss not yet seen
+    here gets up to 2 s for that decision, once."""
+    store = ft.store
+    dead = int(store.add(KEY_DEAD_COUNT, 0))
+    if dead > _LOSSES_DECIDED[0]:
+        decided = time.monotonic() + 2.0
+        while int(store.add(KEY_REPLACEMENTS_STARTED, 0)) < dead and time.monotonic() < decided:
+            time.sleep(0.02)
+        _LOSSES_DECIDED[0] = dead
+    expected = int(store.get(KEY_INITIAL_WORLD_SIZE)) + int(store.add(KEY_REPLACEMENTS_STARTED, 0))
+    deadline = time.monotonic() + timeout_s
+    while ft.membership.joiners_seen() < expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     out_dir, steps = sys.argv[1], int(sys.argv[2])
     kill_uid, kill_step, kill_point = (
         (sys.argv[3].split(":") + ["", "", ""])[:3] if len(sys.argv) > 3 else ("", "", "")
     )
-    # per step, while fewer than FAULT_JOB_FULL_WORLD members train (every step without it): time for a
-    # replacement to start and be admitted, however slow the machine is
+    # FAULT_JOB_PAUSE_S: a pause after every step; with FAULT_JOB_FULL_WORLD, while fewer members train, each
+    # step waits instead for a replacement the launcher started to register (admitted at the next boundary
+    # that admits, however slow the machine is)
     pause_s = float(os.environ.get("FAULT_JOB_PAUSE_S", "0"))
     full_world = int(os.environ.get("FAULT_JOB_FULL_WORLD", "0"))
     try:
@@ -210,7 +235,9 @@ def main() -> None:
                 if averaging is not None and averaging.due_next():
                     maybe_die("sync")
                 ft.average_after_step()
-                if not full_world or ft.world_size < full_world:
+                if full_world and ft.world_size < full_world:
+                    wait_for_a_started_replacement(ft)
+                elif not full_world:
                     time.sleep(pause_s)
                 g = ft.generation
                 print(

@@ -33,7 +33,6 @@ import json
 import os
 import signal
 import sys
-import time
 
 import lightning as L
 import torch
@@ -45,8 +44,7 @@ from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from lightning_ddpx import DDPXStrategy
 from lightning_ddpx.engine.agreement.errors import CommunicationError
-from lightning_ddpx.fault.launch import KEY_INITIAL_WORLD_SIZE, KEY_REPLACEMENTS_STARTED
-from tests.jobs.fault_job import hook_digest
+from tests.jobs.fault_job import hook_digest, wait_for_a_started_replacement
 
 SAMPLES, BATCH = 96, 4
 
@@ -67,16 +65,6 @@ def averaging_digest(shared: dict) -> str:
             h.update(anchor.numpy().tobytes())
         return f"{shared['step']}:{h.hexdigest()[:16]}"
     return f"{shared['averager_step']}:{shared['iter']}"
-
-
-def wait_for_a_started_replacement(store, timeout_s: float = 90.0) -> None:
-    """While a member is missing: if the launcher started a replacement that has not registered yet, wait
-    until it has (at most ``timeout_s``), so that it is admitted at the next epoch's start however slowly it
-    starts on a loaded machine; with no replacement on its way, go on at once."""
-    expected = int(store.get(KEY_INITIAL_WORLD_SIZE)) + int(store.add(KEY_REPLACEMENTS_STARTED, 0))
-    deadline = time.monotonic() + timeout_s
-    while int(store.add("ft/joiner_count", 0)) < expected and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 class Job(L.LightningModule):
@@ -169,7 +157,7 @@ class Job(L.LightningModule):
                 f"{self.trainer.global_step} {self.current_epoch} {batch_idx} {digest(self.net)} {hook}\n"
             )
         if fault.world_size < int(os.environ.get("FAULT_JOB_DEVICES", "3")):
-            wait_for_a_started_replacement(fault.store)
+            wait_for_a_started_replacement(fault)
 
     def configure_optimizers(self):
         optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
