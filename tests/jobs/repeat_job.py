@@ -1,9 +1,10 @@
 """Run one rank of a job module many times, each run a process of its own that exits as a script's does.
 
-    python tests/jobs/repeat_job.py OUT_DIR MODULE PORT[,PORT...] [ARG ...]
+    python tests/jobs/repeat_job.py OUT_DIR MODULE RUNS_JSON
 
-For each port (one run each), a child forked from this process runs ``python -m MODULE ARG ...`` in
-place: ``MASTER_PORT`` set to that port, its stdout and stderr in ``OUT_DIR/run<i>-rank<RANK>.out``. When the
+``RUNS_JSON``: a list, one entry per run, of ``{"port": PORT, "args": [ARG, ...]}``. For each run, a child
+forked from this process runs ``python -m MODULE ARG ...`` in place: ``MASTER_PORT`` set to its port, its
+stdout and stderr in ``OUT_DIR/run<i>-rank<RANK>.out``. When the
 module returns (or raises), the child leaves through the interpreter's own exit -- atexit handlers, thread
 shutdown, module teardown: where the abort the repeats hunt for happened -- not through ``os._exit``. The
 parent waits for it and goes on to the next run; at the end it prints one JSON list, per run its return code
@@ -14,7 +15,7 @@ compiler stack at the first optimizer's construction (1.4 s). Both happen once h
 every run pays only for its own work; each still starts its own
 process group, gloo threads and store, and ends the way a user's script ends. Run one of these per rank, as
 the ranks of one job (``RANK``/``LOCAL_RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` set): the children of
-run ``i`` meet on port ``i``.
+run ``i`` meet on its port.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def run_in_child(module: str, args: list[str], port: str, output: str) -> None:
 
 
 def main() -> None:
-    out_dir, module, ports, *args = sys.argv[1:]
+    out_dir, module, runs_json = sys.argv[1:]
     importlib.import_module(module)  # torch, Lightning, ours: imported once, before any child
     del sys.modules[module]  # the module itself runs afresh in each child, as ``python -m`` runs it
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # what torch imports at a first optimizer
@@ -53,11 +54,11 @@ def main() -> None:
     gc.freeze()
     rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))
     runs = []
-    for index, port in enumerate(ports.split(",")):
+    for index, run in enumerate(json.loads(runs_json)):
         output = os.path.join(out_dir, f"run{index}-rank{rank}.out")
         pid = os.fork()
         if pid == 0:
-            run_in_child(module, args, port, output)
+            run_in_child(module, [str(arg) for arg in run["args"]], str(run["port"]), output)
         _, status = os.waitpid(pid, 0)
         code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
         runs.append({"returncode": code, "output": output})

@@ -3,8 +3,10 @@ saved at any point of a fit resume bit for bit.
 
 The abort (``terminate called without an active exception``, return code -6) came from gloo worker
 threads releasing a finished collective's tensors after Python began finalising; see
-lightning_ddpx/lightning/processes/process_exit.py. Each job here is two real processes started by the test (so both exit
-codes are seen), running tests/jobs/exit_job.py.
+lightning_ddpx/lightning/processes/process_exit.py. Each job here is two real processes (so both exit codes
+are seen) running tests/jobs/exit_job.py: started by the test, or -- where a test runs many jobs -- forked, one
+per run, from one process per rank that imported torch and Lightning once (tests/jobs/repeat_job.py); each
+such child still ends through the interpreter's own exit, where the abort was.
 """
 
 from __future__ import annotations
@@ -73,26 +75,40 @@ def test_checkpoints_saved_during_and_after_fit_resume_bit_identically(tmp_path)
     the middle of an epoch with any strategy (with strategy="ddp", a checkpoint saved at step 12 of 8-batch
     epochs resumed to parameters 0.218 away from an uninterrupted run), so that is not ours to test here."""
     root = str(tmp_path)
-    assert_clean(run_job("straight", "powersgd", root), what="straight")
-    assert_clean(run_job("fit", "powersgd", root), what="fit")
-    for checkpoint in ("last.ckpt", "after-fit.ckpt", "during-fit.ckpt"):
+    checkpoints = ("last.ckpt", "after-fit.ckpt", "during-fit.ckpt")
+    modes = ["straight", "fit", *(f"resume:{checkpoint}" for checkpoint in checkpoints)]  # in this order
+    outcomes = run_repeated("tests.jobs.exit_job", [[mode, "powersgd", root] for mode in modes], root)
+    failures = failed_runs(outcomes)
+    assert not failures, f"{len(failures)} of {len(outcomes)} processes failed: {failures[:3]}"
+    for checkpoint in checkpoints:
         entry = torch.load(os.path.join(root, checkpoint), weights_only=True)["lightning_ddpx"]
         assert entry.get("bucket_layout") is not None, f"{checkpoint} has no bucket layout"
-        mode = f"resume:{checkpoint}"
-        assert_clean(run_job(mode, "powersgd", root), what=mode)
-        assert_bit_identical(root, mode)
+        assert_bit_identical(root, f"resume:{checkpoint}")
+
+
+HOOKS = ["none", "allreduce", "fp16", "bf16", "batched_powersgd", "noop"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("hook", ["none", "allreduce", "fp16", "bf16", "batched_powersgd", "noop"])
-def test_fit_exits_zero_with_every_hook(tmp_path, hook):
-    assert_clean(run_job("fit", hook, str(tmp_path)), what=f"fit with {hook}")
+def test_fit_with_every_hook_evaluation_and_fabric_exit_zero(tmp_path):
+    """A fit with each hook, then validate/test/predict and a Fabric loop (PowerSGD): each run two processes
+    of their own, forked from one per rank that imported Lightning once (tests/jobs/repeat_job.py), each
+    leaving through the interpreter's exit."""
+    runs = [["fit", hook, str(tmp_path / hook)] for hook in HOOKS]
+    runs += [[mode, "powersgd", str(tmp_path / mode)] for mode in ("evaluate", "fabric")]
+    for _, _, root in runs:
+        os.makedirs(root)
+    outcomes = run_repeated("tests.jobs.exit_job", runs, str(tmp_path))
+    assert len(outcomes) == 2 * len(runs)
+    failures = failed_runs(outcomes)
+    assert not failures, f"{len(failures)} of {len(outcomes)} processes failed: {failures[:3]}"
+    for _, hook, root in runs[: len(HOOKS)]:  # every rank saved its trained parameters
+        assert all(os.path.exists(os.path.join(root, f"params-fit-rank{rank}.pt")) for rank in (0, 1)), hook
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["evaluate", "fabric", "spawn"])
-def test_evaluation_fabric_and_spawn_exit_zero(tmp_path, mode):
-    assert_clean(run_job(mode, "powersgd", str(tmp_path)), what=mode)
+def test_spawn_exits_zero(tmp_path):
+    assert_clean(run_job("spawn", "powersgd", str(tmp_path)), what="spawn")
 
 
 @pytest.mark.slow
@@ -103,18 +119,21 @@ def test_an_exception_in_training_exits_nonzero_without_abort(tmp_path):
         assert "failing on purpose at step 3" in stderr
 
 
-def run_repeated(module: str, args: list[str], repeats: int, root: str) -> list[tuple[int, str]]:
-    """``repeats`` runs of a two-rank job, through tests/jobs/repeat_job.py: per rank one process imports
-    ``module`` once, then each run is a child of it that exits as a script does (interpreter finalisation
-    and all). Returns each child's (return code, output), run by run, rank by rank."""
-    ports = ",".join(str(free_port()) for _ in range(repeats))
+def run_repeated(module: str, args_per_run: list[list[str]], root: str) -> list[tuple[int, str]]:
+    """One run of a two-rank job per entry of ``args_per_run``, through tests/jobs/repeat_job.py: per rank one
+    process imports ``module`` once, then each run is a child of it that exits as a script does
+    (interpreter finalisation and all). Returns each child's (return code, output), run by run, rank by
+    rank."""
+    runs_json = json.dumps([{"port": free_port(), "args": args} for args in args_per_run])
     envs = [
         job_env(MASTER_ADDR="127.0.0.1", RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2")
         for rank in (0, 1)
     ]
-    command = [sys.executable, "tests/jobs/repeat_job.py", root, module, ports, *args]
+    command = [sys.executable, "tests/jobs/repeat_job.py", root, module, runs_json]
     runs = []
-    for rank, done in enumerate(run_jobs([(command, env) for env in envs], JOB_TIMEOUT_S + 20 * repeats)):
+    for rank, done in enumerate(
+        run_jobs([(command, env) for env in envs], JOB_TIMEOUT_S + 20 * len(args_per_run))
+    ):
         assert done.returncode == 0, f"rank {rank}'s repeater failed:\n{done.stderr[-3000:]}"
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     return [(run["returncode"], Path(run["output"]).read_text()) for attempt in zip(*runs) for run in attempt]
@@ -142,9 +161,8 @@ def test_resumed_runs_exit_zero_every_time(tmp_path):
     root = str(tmp_path)
     assert_clean(run_job("fit", "powersgd", root), what="fit")
     assert_clean(run_job("resume:last.ckpt", "powersgd", root), what="resume to epoch 4")
-    outcomes = run_repeated(
-        "tests.jobs.exit_job", ["resume:last.ckpt", "powersgd", root], RESUME_REPEATS, root
-    )
+    resume = ["resume:last.ckpt", "powersgd", root]
+    outcomes = run_repeated("tests.jobs.exit_job", [resume] * RESUME_REPEATS, root)
     assert len(outcomes) == 2 * RESUME_REPEATS
     failures = failed_runs(outcomes)
     assert not failures, f"{len(failures)} of {2 * RESUME_REPEATS} processes failed: {failures[:3]}"
@@ -159,7 +177,7 @@ def test_a_bare_module_job_ending_on_a_collective_exits_zero_every_time(tmp_path
     """No strategy: the script destroys the group while its model still references it, so gloo's workers
     outlive the destroy. Without the engine's exit handler waiting for them, 6 of 20 such jobs aborted
     (torch-only reproduction, the same last collective); 12 in a row must now exit with 0."""
-    outcomes = run_repeated("tests.jobs.bare_exit_job", [], BARE_REPEATS, str(tmp_path))
+    outcomes = run_repeated("tests.jobs.bare_exit_job", [[]] * BARE_REPEATS, str(tmp_path))
     assert len(outcomes) == 2 * BARE_REPEATS
     failures = failed_runs(outcomes)
     assert not failures, f"{len(failures)} of {2 * BARE_REPEATS} processes failed: {failures[:3]}"
