@@ -32,7 +32,6 @@ def run_fault_job(
     kill: str = "",
     replacements: int = 0,
     steps: int = STEPS,
-    pause_s: float = 0.0,
     hook: str = "",
     nproc: int = 3,
     logs: str = "logs",
@@ -42,7 +41,7 @@ def run_fault_job(
     out.mkdir()
     launch = [*LAUNCH[:-1], str(nproc), "--replacements", str(replacements)]
     argv = [*launch, "--", "tests/jobs/fault_job.py", str(out), str(steps)]
-    env = job_env(FAULT_JOB_PAUSE_S=str(pause_s), DDPX_SHARED_MEMORY="0", FAULT_JOB_HOOK=hook, **extra_env)
+    env = job_env(DDPX_SHARED_MEMORY="0", FAULT_JOB_HOOK=hook, **extra_env)
     try:
         done = run_job(argv + ([kill] if kill else []), timeout=180, env=env)
     finally:

@@ -153,10 +153,8 @@ def main() -> None:
     kill_uid, kill_step, kill_point = (
         (sys.argv[3].split(":") + ["", "", ""])[:3] if len(sys.argv) > 3 else ("", "", "")
     )
-    # FAULT_JOB_PAUSE_S: a pause after every step; with FAULT_JOB_FULL_WORLD, while fewer members train, each
-    # step waits instead for a replacement the launcher started to register (admitted at the next boundary
-    # that admits, however slow the machine is)
-    pause_s = float(os.environ.get("FAULT_JOB_PAUSE_S", "0"))
+    # with FAULT_JOB_FULL_WORLD, while fewer members train, each step waits for a replacement the launcher
+    # started to register (admitted at the next boundary that admits, however slow the machine is)
     full_world = int(os.environ.get("FAULT_JOB_FULL_WORLD", "0"))
     try:
         ft = FaultTolerance(
@@ -237,8 +235,6 @@ def main() -> None:
                 ft.average_after_step()
                 if full_world and ft.world_size < full_world:
                     wait_for_a_started_replacement(ft)
-                elif not full_world:
-                    time.sleep(pause_s)
                 g = ft.generation
                 print(
                     me,

@@ -9,8 +9,8 @@ weights' digest and how many samples its ``trainer.test`` saw). Each training pr
 PowerSGD's iteration and a digest of its shared state, or ``-``).
 
 Environment: ``FAULT_JOB_KILL=uid:global_step:point`` (several, comma-separated: one run, several losses)
-makes training process ``uid`` SIGKILL itself at that global step, at ``forward`` (in ``training_step``), ``backward`` (from a gradient hook, buckets in flight),
-``optimizer`` (after the members committed the step, before it is applied), ``save`` (inside a checkpoint
+makes training process ``uid`` SIGKILL itself at that global step, at ``forward`` (in ``training_step``),
+``backward`` (from a gradient hook, buckets in flight), ``optimizer`` (after the members committed the step, before it is applied), ``save`` (inside a checkpoint
 save of ``ModelCheckpoint(every_n_train_steps=2)``) or ``validation`` (in ``validation_step``, whose
 torchmetrics metric the survivors then compute); ``between`` does not kill: checkpoint saving's all-reduce
 after that step (its file-exists decision) fails on that process alone (issued, then a communication failure raised), while the

@@ -60,8 +60,7 @@ def main() -> None:
         if pid == 0:
             run_in_child(module, [str(arg) for arg in run["args"]], str(run["port"]), output)
         _, status = os.waitpid(pid, 0)
-        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-        runs.append({"returncode": code, "output": output})
+        runs.append({"returncode": os.waitstatus_to_exitcode(status), "output": output})
     print(json.dumps(runs))
 
 

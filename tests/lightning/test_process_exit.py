@@ -77,9 +77,7 @@ def test_checkpoints_saved_during_and_after_fit_resume_bit_identically(tmp_path)
     root = str(tmp_path)
     checkpoints = ("last.ckpt", "after-fit.ckpt", "during-fit.ckpt")
     modes = ["straight", "fit", *(f"resume:{checkpoint}" for checkpoint in checkpoints)]  # in this order
-    outcomes = run_repeated("tests.jobs.exit_job", [[mode, "powersgd", root] for mode in modes], root)
-    failures = failed_runs(outcomes)
-    assert not failures, f"{len(failures)} of {len(outcomes)} processes failed: {failures[:3]}"
+    assert_every_run_clean("tests.jobs.exit_job", [[mode, "powersgd", root] for mode in modes], root)
     for checkpoint in checkpoints:
         entry = torch.load(os.path.join(root, checkpoint), weights_only=True)["lightning_ddpx"]
         assert entry.get("bucket_layout") is not None, f"{checkpoint} has no bucket layout"
@@ -98,10 +96,7 @@ def test_fit_with_every_hook_evaluation_and_fabric_exit_zero(tmp_path):
     runs += [[mode, "powersgd", str(tmp_path / mode)] for mode in ("evaluate", "fabric")]
     for _, _, root in runs:
         os.makedirs(root)
-    outcomes = run_repeated("tests.jobs.exit_job", runs, str(tmp_path))
-    assert len(outcomes) == 2 * len(runs)
-    failures = failed_runs(outcomes)
-    assert not failures, f"{len(failures)} of {len(outcomes)} processes failed: {failures[:3]}"
+    assert_every_run_clean("tests.jobs.exit_job", runs, str(tmp_path))
     for _, hook, root in runs[: len(HOOKS)]:  # every rank saved its trained parameters
         assert all(os.path.exists(os.path.join(root, f"params-fit-rank{rank}.pt")) for rank in (0, 1)), hook
 
@@ -119,11 +114,11 @@ def test_an_exception_in_training_exits_nonzero_without_abort(tmp_path):
         assert "failing on purpose at step 3" in stderr
 
 
-def run_repeated(module: str, args_per_run: list[list[str]], root: str) -> list[tuple[int, str]]:
+def assert_every_run_clean(module: str, args_per_run: list[list[str]], root: str) -> None:
     """One run of a two-rank job per entry of ``args_per_run``, through tests/jobs/repeat_job.py: per rank one
     process imports ``module`` once, then each run is a child of it that exits as a script does
-    (interpreter finalisation and all). Returns each child's (return code, output), run by run, rank by
-    rank."""
+    (interpreter finalisation and all). Every child of every run must exit with 0 and print no abort; a
+    failure names the run (its arguments), the rank, the return code and the end of its output."""
     runs_json = json.dumps([{"port": free_port(), "args": args} for args in args_per_run])
     envs = [
         job_env(MASTER_ADDR="127.0.0.1", RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2")
@@ -136,15 +131,16 @@ def run_repeated(module: str, args_per_run: list[list[str]], root: str) -> list[
     ):
         assert done.returncode == 0, f"rank {rank}'s repeater failed:\n{done.stderr[-3000:]}"
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    return [(run["returncode"], Path(run["output"]).read_text()) for attempt in zip(*runs) for run in attempt]
-
-
-def failed_runs(outcomes: list[tuple[int, str]]) -> list[str]:
-    return [
-        f"run {index // 2} rank {index % 2}: rc {rc} {output[-300:]!r}"
-        for index, (rc, output) in enumerate(outcomes)
-        if rc != 0 or ABORT_MARKER in output
-    ]
+    assert all(len(per_rank) == len(args_per_run) for per_rank in runs), runs
+    failures = []
+    for index, (args, attempt) in enumerate(zip(args_per_run, zip(*runs))):
+        for rank, run in enumerate(attempt):
+            output = Path(run["output"]).read_text()
+            if run["returncode"] != 0 or ABORT_MARKER in output:
+                failures.append(
+                    f"run {index} {args[:2]} rank {rank}: rc {run['returncode']} {output[-300:]!r}"
+                )
+    assert not failures, f"{len(failures)} of {2 * len(args_per_run)} processes failed: {failures[:3]}"
 
 
 # At the old 1-in-4 rate, 12 clean runs miss a regression with p = 0.75**12 = 3 %; a regression that slipped
@@ -162,10 +158,7 @@ def test_resumed_runs_exit_zero_every_time(tmp_path):
     assert_clean(run_job("fit", "powersgd", root), what="fit")
     assert_clean(run_job("resume:last.ckpt", "powersgd", root), what="resume to epoch 4")
     resume = ["resume:last.ckpt", "powersgd", root]
-    outcomes = run_repeated("tests.jobs.exit_job", [resume] * RESUME_REPEATS, root)
-    assert len(outcomes) == 2 * RESUME_REPEATS
-    failures = failed_runs(outcomes)
-    assert not failures, f"{len(failures)} of {2 * RESUME_REPEATS} processes failed: {failures[:3]}"
+    assert_every_run_clean("tests.jobs.exit_job", [resume] * RESUME_REPEATS, root)
 
 
 BARE_REPEATS = 12  # at the old 6-in-20 rate, 12 clean runs miss a regression with p = 0.7**12 = 1.4 %
@@ -177,7 +170,4 @@ def test_a_bare_module_job_ending_on_a_collective_exits_zero_every_time(tmp_path
     """No strategy: the script destroys the group while its model still references it, so gloo's workers
     outlive the destroy. Without the engine's exit handler waiting for them, 6 of 20 such jobs aborted
     (torch-only reproduction, the same last collective); 12 in a row must now exit with 0."""
-    outcomes = run_repeated("tests.jobs.bare_exit_job", [[]] * BARE_REPEATS, str(tmp_path))
-    assert len(outcomes) == 2 * BARE_REPEATS
-    failures = failed_runs(outcomes)
-    assert not failures, f"{len(failures)} of {2 * BARE_REPEATS} processes failed: {failures[:3]}"
+    assert_every_run_clean("tests.jobs.bare_exit_job", [[]] * BARE_REPEATS, str(tmp_path))
